@@ -1,0 +1,5 @@
+import sys
+
+from pagedllm.entrypoints.cli import main
+
+sys.exit(main())

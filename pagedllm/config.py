@@ -1,0 +1,109 @@
+"""Engine configuration: frozen dataclasses built once from the user's arguments."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None, device: str) -> torch.dtype:
+    """'auto' takes the checkpoint's dtype, except float16 on CPU, where bfloat16 is faster and safer."""
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        resolved = checkpoint_dtype or torch.float32
+        if resolved == torch.float16 and device == "cpu":
+            resolved = torch.bfloat16
+    elif dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype must be one of 'auto', {', '.join(sorted(_DTYPES))}; got {dtype!r}.")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {resolved} is not supported; use float32, bfloat16 or float16.")
+    return resolved
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What model runs and how: the resolved folder, its HF config, dtype and context length."""
+
+    model: str  # as the user named it
+    path: Path  # resolved folder (or config.json file for dummy weights)
+    hf_config: object = field(repr=False)
+    architecture: str
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str = "auto"
+    seed: int = 0
+    tokenizer: Path | None = None  # None: no tokenizer files (token-id prompts only)
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        c = self.hf_config
+        return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        c = self.hf_config
+        return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache: block size and how much memory it may take."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None  # an explicit KV budget, overriding the utilization
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
+            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits: how many requests run at once and how many tokens one step computes."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str = "cpu"
+    enforce_eager: bool = False

@@ -1,0 +1,114 @@
+"""EngineArgs: the user's settings (vLLM's names) turned into the engine's frozen configs."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+
+import torch
+
+from pagedllm.config import LOAD_FORMATS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.model_executor.model_files import has_tokenizer, load_hf_config, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+
+def parse_size(value: str | int | float | None) -> int | None:
+    """'128GiB', '119.7GB', '512MiB', '4G' or plain bytes -> bytes."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else int(value)
+    text = value.strip().replace(" ", "")
+    units = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10,
+             "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3,
+             "t": 1 << 40, "g": 1 << 30, "m": 1 << 20, "k": 1 << 10, "b": 1}
+    lower = text.lower()
+    for suffix, factor in units.items():
+        if lower.endswith(suffix):
+            number = lower[: -len(suffix)]
+            break
+    else:
+        number, factor = lower, 1
+    try:
+        return int(float(number) * factor)
+    except ValueError:
+        raise ValueError(f"cannot read {value!r} as a memory size; use e.g. 128GiB, 119.7GB, 512MiB or bytes") from None
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # None: the built-in demo model
+    tokenizer: str | None = None
+    revision: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory: int | str | None = None
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    load_format: str = "auto"
+    device: str = "auto"
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in fields(cls)}
+
+    def create_engine_config(self) -> EngineConfig:
+        if self.model is None:
+            from pagedllm.demo import demo_model_path
+
+            self.model = str(demo_model_path())
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {self.load_format!r}.")
+        device = self.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}.")
+        path = resolve_model_path(self.model, self.revision)
+        if path.is_file() and self.load_format != "dummy":
+            raise ValueError(f"{path} is a config file, not a model folder: pass load_format='dummy' to run "
+                             f"its shape with random weights.")
+        hf_config = load_hf_config(path)
+        from pagedllm.model_executor.models.registry import get_model_class
+
+        architecture, _ = get_model_class(hf_config)
+        checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(checkpoint_dtype, str):
+            checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
+        dtype = resolve_dtype(self.dtype, checkpoint_dtype, device)
+        max_model_len = self._max_model_len(hf_config)
+        tokenizer = self.tokenizer or (str(path) if has_tokenizer(path) else None)
+        model_config = ModelConfig(
+            model=self.model, path=path, hf_config=hf_config, architecture=architecture, dtype=dtype,
+            max_model_len=max_model_len, load_format=self.load_format, seed=self.seed,
+            tokenizer=tokenizer,
+        )
+        cache = CacheConfig(
+            block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
+            num_gpu_blocks_override=self.num_gpu_blocks_override,
+            kv_cache_memory_bytes=parse_size(self.kv_cache_memory),
+        )
+        batched = self.max_num_batched_tokens or 2048
+        scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
+                                    max_model_len=max_model_len)
+        return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, device=device,
+                            enforce_eager=self.enforce_eager)
+
+    def _max_model_len(self, hf_config) -> int:
+        derived = getattr(hf_config, "max_position_embeddings", None)
+        if derived is None:
+            raise UnsupportedModelError("config.json has no max_position_embeddings; pass max_model_len.")
+        if self.max_model_len is None or self.max_model_len in ("auto", -1):
+            return derived
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}.")
+        if self.max_model_len > derived:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} is larger than the model's max_position_embeddings "
+                f"({derived}); positions past it were never trained. Use max_model_len <= {derived}."
+            )
+        return self.max_model_len

@@ -1,0 +1,249 @@
+"""LLMEngine: add requests, step (schedule -> execute -> update), collect outputs."""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.request import FINISH_REASONS, Request, RequestStatus
+from pagedllm.engine.scheduler import Scheduler
+from pagedllm.errors import InvalidPromptError
+from pagedllm.memory.device import device_memory
+from pagedllm.memory.plan import MemoryPlan
+from pagedllm.model_executor.model_files import generation_eos_ids
+from pagedllm.model_executor.model_runner import ModelRunner, ModelRunnerOutput
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | list[int] | dict
+
+
+@dataclass
+class _Sequence:
+    """One of a prompt's n samples: the engine request plus its text so far."""
+
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    text: str = ""
+
+
+@dataclass
+class _Group:
+    """What the user submitted under one request id: a prompt and its n samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    stream: bool = False
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.sequences)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(config)
+        self.memory_plan = self._plan_memory()
+        self.memory_plan.check()
+        logger.info("memory plan:\n%s", self.memory_plan.table())
+        self.runner.allocate_kv_cache(self.memory_plan.num_blocks)
+        self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        self.eos_token_ids = self._eos_token_ids()
+        self._groups: dict[str, _Group] = {}
+        self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
+        self._ids = itertools.count()
+
+    # -- set-up -----------------------------------------------------------------------------
+    def _plan_memory(self) -> MemoryPlan:
+        cfg = self.config
+        mem = device_memory(cfg.device)
+        return MemoryPlan(
+            device=mem.device, total_bytes=mem.total_bytes, utilization=cfg.cache.gpu_memory_utilization,
+            used_by_others_bytes=mem.used_by_others_bytes, weight_bytes=self.runner.weight_bytes,
+            activation_bytes=self.runner.profile_activation_bytes(cfg.scheduler.max_num_batched_tokens),
+            overhead_bytes=0, kv_bytes_per_token=self.runner.kv_bytes_per_token(),
+            block_size=cfg.cache.block_size, max_model_len=cfg.model.max_model_len,
+            max_num_seqs=cfg.scheduler.max_num_seqs, kv_cache_memory_bytes=cfg.cache.kv_cache_memory_bytes,
+            num_blocks_override=cfg.cache.num_gpu_blocks_override,
+        )
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = generation_eos_ids(self.config.model.path)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        if not ids:
+            eos = getattr(self.config.model.hf_config, "eos_token_id", None)
+            ids = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+        return ids
+
+    # -- requests -----------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A string, {"prompt": str}, {"prompt_token_ids": [...]} or a list of ids -> (text, ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidPromptError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidPromptError(
+                    "this model has no tokenizer (its folder has no tokenizer files), so prompts must be "
+                    "token ids: {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise InvalidPromptError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        max_len = self.config.model.max_model_len
+        if not ids:
+            raise InvalidPromptError("the prompt is empty: it must hold at least one token")
+        if len(ids) >= max_len:
+            raise InvalidPromptError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {max_len}: it must be at most "
+                f"{max_len - 1} tokens to leave room for one generated token")
+        vocab = self.config.model.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidPromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+
+    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
+                    stream: bool = False) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.tokenize_prompt(prompt)
+        self._validate_prompt(ids)
+        bad_stop = [t for t in params.stop_token_ids if t >= self.config.model.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {self.config.model.vocab_size})")
+        group = _Group(request_id, text, ids, [], [None] if params.prompt_logprobs is not None else None, stream)
+        for j in range(params.n):
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + j)
+            req = Request(f"{request_id}" if params.n == 1 else f"{j}_{request_id}", ids, child_params,
+                          self.eos_token_ids, self.config.model.max_model_len)
+            detok = None
+            if self.tokenizer is not None:
+                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                               params.spaces_between_special_tokens, params.stop,
+                                               params.include_stop_str_in_output)
+            seq = _Sequence(req, j, detok)
+            group.sequences.append(seq)
+            self._seq_of[req.request_id] = (group, seq)
+        self._groups[request_id] = group
+        for seq in group.sequences:
+            self.scheduler.add_request(seq.request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        for seq in group.sequences:
+            self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ABORTED)
+            self._seq_of.pop(seq.request.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step. Returns outputs of groups that finished (or changed, when streaming)."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        self.scheduler.update(plan, {rid: row.token_id for rid, row in result.sampled.items()})
+        touched = self._process_outputs(plan, result)
+        outputs = []
+        for group in touched:
+            if group.finished or group.stream:
+                outputs.append(self._make_output(group))
+            if group.finished:
+                self._groups.pop(group.request_id, None)
+                for seq in group.sequences:
+                    self._seq_of.pop(seq.request.request_id, None)
+        return outputs
+
+    def _process_outputs(self, plan, result: ModelRunnerOutput) -> list[_Group]:
+        touched: dict[str, _Group] = {}
+        for rid, chunk in result.prompt_logprobs.items():
+            group, _ = self._seq_of[rid]
+            self._add_prompt_logprobs(group, chunk)
+        for rid, row in result.sampled.items():
+            group, seq = self._seq_of[rid]
+            req = seq.request
+            touched[group.request_id] = group
+            if row.logprob is not None:
+                entry = {row.token_id: Logprob(row.logprob, row.rank, self._decode_one(row.token_id))}
+                for rank, (tid, lp) in enumerate(zip(row.top_ids, row.top_logprobs), start=1):
+                    if tid not in entry:
+                        entry[tid] = Logprob(lp, rank, self._decode_one(tid))
+                req.output_logprobs.append(entry)
+                req.cumulative_logprob += row.logprob
+            if seq.detokenizer is None:
+                continue
+            stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and (
+                row.token_id in req.eos_token_ids or row.token_id == req.stop_reason)
+            if stopped_by_token and not req.sampling_params.include_stop_str_in_output:
+                continue  # the EOS / stop token's own text is not part of the output
+            _, stop = seq.detokenizer.add_token(row.token_id)
+            if stop is not None:
+                if not req.is_finished:
+                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
+                    req.stop_reason = stop
+                elif req.status == RequestStatus.FINISHED_LENGTH:
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
+        return list(touched.values())
+
+    def _add_prompt_logprobs(self, group: _Group, chunk) -> None:
+        if group.prompt_logprobs is None or chunk.first_position != len(group.prompt_logprobs):
+            return  # a recompute after preemption: these positions are already recorded
+        for lp, rank, ids, lps in zip(chunk.token_logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs):
+            target = group.prompt_token_ids[len(group.prompt_logprobs)]
+            entry = {target: Logprob(lp, rank, self._decode_one(target))}
+            for r, (tid, tlp) in enumerate(zip(ids, lps), start=1):
+                entry.setdefault(tid, Logprob(tlp, r, self._decode_one(tid)))
+            group.prompt_logprobs.append(entry)
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for seq in group.sequences:
+            req = seq.request
+            want_lp = req.sampling_params.logprobs is not None
+            outs.append(CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.output_text if seq.detokenizer else "",
+                token_ids=list(req.output_token_ids),
+                cumulative_logprob=req.cumulative_logprob if want_lp else None,
+                logprobs=list(req.output_logprobs) if want_lp else None,
+                finish_reason=FINISH_REASONS.get(req.status),
+                stop_reason=req.stop_reason,
+            ))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                             group.prompt_logprobs, outs, group.finished)
+
+    def check_integrity(self) -> None:
+        self.kv_cache.check_integrity()

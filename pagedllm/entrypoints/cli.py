@@ -1,0 +1,95 @@
+"""The `pagedllm` command: generate (and, as they land, serve, plan, bench)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedllm.engine.arg_utils import EngineArgs
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags with vLLM's names and meanings."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF model folder, config.json (with --load-format dummy) "
+                   "or hub name in the local HF cache; default: the built-in demo model")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--revision", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=_max_model_len, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of device memory the engine may take (on CPU: of host memory)")
+    g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (overrides the utilization)")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+def _max_model_len(value: str) -> int | str:
+    return "auto" if value == "auto" else int(value)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from pagedllm import SamplingParams
+    from pagedllm.entrypoints.llm import LLM
+
+    params = SamplingParams(
+        n=ns.n, temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+        max_tokens=ns.max_tokens, seed=ns.sampling_seed, stop=ns.stop or None, ignore_eos=ns.ignore_eos,
+    )
+    args = engine_args_from(ns)
+    llm = LLM(**vars(args))
+    if ns.chat:
+        outputs = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(ns.prompt, params, use_tqdm=False)
+    for completion in outputs[0].outputs:
+        text = completion.text if llm.get_tokenizer() is not None else str(completion.token_ids)
+        print(text if ns.n == 1 else f"[{completion.index}] {text}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference over a paged KV cache")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--n", type=int, default=1)
+    gen.add_argument("--stop", action="append")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

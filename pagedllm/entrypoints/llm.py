@@ -1,0 +1,107 @@
+"""The offline LLM class: vLLM's interface over LLMEngine."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(name_or_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(name_or_path))
+
+
+class LLM:
+    """Generate from a Hugging Face-format model folder (or the built-in demo model when model=None).
+
+    Takes vLLM's constructor arguments; an argument pagedllm does not know is an error, never ignored.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(
+                f"LLM() got unsupported argument(s) {sorted(unknown)}. Supported: {sorted(EngineArgs.field_names())}")
+        args = EngineArgs(model=model, **kwargs)
+        config = args.create_engine_config()
+        tokenizer = load_tokenizer(config.model.tokenizer) if config.model.tokenizer else None
+        self.llm_engine = LLMEngine(config, tokenizer)
+
+    @property
+    def memory_plan(self):
+        return self.llm_engine.memory_plan
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of the prompts. One SamplingParams for all, or one per prompt."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                                 f"pass one, or one per prompt")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            # The template already holds the special tokens (BOS): don't add them twice.
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(engine.add_request(None, prompt, params))
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req") as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in ids]

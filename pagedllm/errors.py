@@ -1,0 +1,13 @@
+"""Typed exceptions users can catch. All are ValueErrors: bad input or an impossible configuration."""
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint uses an architecture or config feature pagedllm does not implement."""
+
+
+class KVCacheMemoryError(ValueError):
+    """The KV cache cannot be given enough memory (the message holds the breakdown and the fix)."""
+
+
+class InvalidPromptError(ValueError):
+    """A prompt that can never be served: empty, too long, or holding ids outside the vocabulary."""

@@ -1,0 +1,131 @@
+"""Paged attention: K/V are written into a block pool by slot, and read back through block tables.
+
+Backend: PyTorch's scaled_dot_product_attention over K/V gathered from the pool, batched per group
+of requests with the same padded query length (one group for decodes, one for prefill chunks).
+The metadata is built once per step by the model runner and reached through the forward context.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class AttentionGroup:
+    """Requests batched together: B requests, queries padded to max_q, keys padded to max_kv."""
+
+    query_index: torch.Tensor  # (B, max_q) flat token index of each query (padding -> 0)
+    dest_index: torch.Tensor  # (n_real,) flat token index of each real query
+    src_index: torch.Tensor  # (n_real,) its position in the flattened (B * max_q) group output
+    kv_slots: torch.Tensor  # (B, max_kv) cache slot of each key position (padding -> slot 0)
+    mask: torch.Tensor  # (B, 1, max_q, max_kv) True where a query may attend to a key
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor  # (num_tokens,) position of each token in its sequence
+    slot_mapping: torch.Tensor  # (num_tokens,) cache slot where each new token's K/V goes
+    groups: list[AttentionGroup]
+
+
+_metadata: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def forward_context(metadata: AttentionMetadata):
+    """Make this step's attention metadata visible to every attention layer during one forward."""
+    global _metadata
+    prev, _metadata = _metadata, metadata
+    try:
+        yield
+    finally:
+        _metadata = prev
+
+
+class PagedAttention(nn.Module):
+    """Attention of one layer over its slice of the paged KV cache (bound by the model runner)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # (num_blocks * block_size, kv_heads, head_dim) views into the cache, set by bind_kv_cache.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (tokens, heads, dim); k, v: (tokens, kv_heads, dim)
+        meta = _metadata
+        if meta is None or self.k_cache is None:
+            raise RuntimeError("PagedAttention needs a bound KV cache and a forward_context")
+        self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
+        out = torch.empty_like(q)
+        for g in meta.groups:
+            qg = q[g.query_index].transpose(1, 2)  # (B, heads, max_q, dim)
+            kg = self.k_cache[g.kv_slots].to(q.dtype).transpose(1, 2)  # (B, kv_heads, max_kv, dim)
+            vg = self.v_cache[g.kv_slots].to(q.dtype).transpose(1, 2)
+            og = F.scaled_dot_product_attention(
+                qg, kg, vg, attn_mask=g.mask, scale=self.scale,
+                enable_gqa=self.num_kv_heads != self.num_heads,
+            )
+            og = og.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # (B * max_q, heads, dim)
+            out[g.dest_index] = og[g.src_index]
+        return out
+
+
+def build_attention_metadata(
+    starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """Describe one step: request i computes tokens [starts[i], starts[i] + lengths[i]).
+
+    Tokens are laid out flat, request after request. Python work is per request; per-token
+    indices are made with tensor ops.
+    """
+    num_reqs = len(starts)
+    lens = torch.tensor(lengths, dtype=torch.long)
+    start = torch.tensor(starts, dtype=torch.long)
+    offsets = torch.cumsum(lens, 0) - lens  # flat index of each request's first token
+    max_blocks = max(len(t) for t in block_tables)
+    table = torch.zeros((num_reqs, max_blocks), dtype=torch.long)
+    for i, t in enumerate(block_tables):
+        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+
+    req_of_token = torch.repeat_interleave(torch.arange(num_reqs), lens)
+    positions = torch.arange(int(lens.sum())) - offsets[req_of_token] + start[req_of_token]
+    slot_mapping = table[req_of_token, positions // block_size] * block_size + positions % block_size
+
+    groups = []
+    is_decode = lens == 1
+    for members in (torch.nonzero(is_decode).flatten(), torch.nonzero(~is_decode).flatten()):
+        if len(members) == 0:
+            continue
+        groups.append(_build_group(members, start, lens, offsets, table, block_size, device))
+    return AttentionMetadata(positions=positions.to(device), slot_mapping=slot_mapping.to(device), groups=groups)
+
+
+def _build_group(members, start, lens, offsets, table, block_size, device) -> AttentionGroup:
+    g_start, g_len, g_off, g_table = start[members], lens[members], offsets[members], table[members]
+    max_q = int(g_len.max())
+    max_kv = int((g_start + g_len).max())
+    q_pos = torch.arange(max_q)
+    real = q_pos[None, :] < g_len[:, None]  # (B, max_q)
+    query_index = torch.where(real, g_off[:, None] + q_pos[None, :], 0)
+    kv_pos = torch.arange(max_kv)
+    kv_block = torch.clamp(kv_pos // block_size, max=g_table.shape[1] - 1)
+    kv_slots = g_table[:, kv_block] * block_size + kv_pos % block_size
+    # A query at absolute position p sees keys 0..p; padded query rows see key 0 (never read).
+    q_abs = g_start[:, None] + q_pos[None, :]  # (B, max_q)
+    mask = kv_pos[None, None, :] <= q_abs[:, :, None]
+    mask = torch.where(real[:, :, None], mask, kv_pos[None, None, :] == 0)
+    flat_real = real.flatten()
+    return AttentionGroup(
+        query_index=query_index.to(device),
+        dest_index=query_index.flatten()[flat_real].to(device),
+        src_index=torch.nonzero(flat_real).flatten().to(device),
+        kv_slots=kv_slots.to(device),
+        mask=mask.unsqueeze(1).to(device),
+    )

@@ -1,0 +1,97 @@
+"""Building blocks shared by the model files: norms, rotary embeddings, activations."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.errors import UnsupportedModelError
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RMSNorm(nn.Module):
+    """Computed in float32 and cast back before the weight, exactly as the HF reference does."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, rope_parameters: dict) -> torch.Tensor:
+    """Inverse frequencies for the supported rope types; anything else is refused by name."""
+    rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"rope scaling type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})."
+        )
+    partial = rope_parameters.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise UnsupportedModelError(f"partial_rotary_factor={partial} is not supported (only 1.0).")
+    base = rope_parameters["rope_theta"]
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim))
+    if rope_type == "linear":
+        inv_freq = inv_freq / rope_parameters["factor"]
+    elif rope_type == "llama3":
+        factor = rope_parameters["factor"]
+        low, high = rope_parameters["low_freq_factor"], rope_parameters["high_freq_factor"]
+        old_len = rope_parameters["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) rotary embedding with a cos/sin table for every position."""
+
+    def __init__(self, head_dim: int, max_positions: int, rope_parameters: dict) -> None:
+        super().__init__()
+        self.inv_freq = rope_inv_freq(head_dim, rope_parameters)  # validated at construction
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        if not self.cos.is_meta:
+            self.build_tables()
+
+    def build_tables(self) -> None:
+        """Fill the cos/sin tables in float32 on the buffers' device (after meta-device construction)."""
+        device = self.cos.device
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # (positions, head_dim)
+        self.cos = emb.cos()
+        self.sin = emb.sin()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: (tokens, heads, head_dim); k: (tokens, kv_heads, head_dim)
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def get_activation(name: str):
+    if name not in ACTIVATIONS:
+        raise UnsupportedModelError(f"hidden_act {name!r} is not supported (supported: {', '.join(ACTIVATIONS)}).")
+    return ACTIVATIONS[name]

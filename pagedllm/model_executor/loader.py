@@ -1,0 +1,84 @@
+"""Building a model and filling its weights: safetensors checkpoints or dummy random weights."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from pagedllm.config import ModelConfig
+from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
+from pagedllm.model_executor.model_files import weight_files
+from pagedllm.model_executor.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    """Construct the model on `device` in the configured dtype, then load (or invent) its weights."""
+    _, model_cls = get_model_class(model_config.hf_config)
+    model_cls.verify_config(model_config.hf_config, model_config.max_model_len)
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device("meta"):  # no time spent on an init we overwrite
+            model = model_cls(model_config.hf_config, max_positions=model_config.max_model_len)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    model.to_empty(device=device)
+    model.tie_weights()
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_tables()  # to_empty left the tables uninitialised
+    if model_config.load_format == "dummy":
+        _init_dummy_weights(model, model_config.seed)
+    else:
+        _load_safetensors(model, model_config)
+    model.eval()
+    return model
+
+
+def _iter_safetensors(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    files = weight_files(model_config.path)
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors weights in {model_config.path}. pagedllm loads safetensors checkpoints; "
+            f"use load_format='dummy' to run the model's shape with random weights."
+        )
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=total < 50) as bar:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name).to(model_config.dtype)
+                bar.update(1)
+
+
+def _load_safetensors(model: nn.Module, model_config: ModelConfig) -> None:
+    with torch.no_grad():
+        loaded = model.load_weights(_iter_safetensors(model_config))
+    missing = model.expected_weight_names() - loaded
+    if missing:
+        raise ValueError(
+            f"checkpoint {model_config.path} lacks {len(missing)} weights the model needs, "
+            f"e.g. {sorted(missing)[:5]}"
+        )
+
+
+def _init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights from a fixed seed (norms at 1), for running a model's shape without its files."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                continue
+            if name.endswith(".bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=gen)

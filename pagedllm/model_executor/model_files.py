@@ -1,0 +1,91 @@
+"""Finding a model's files: local folders, the local Hugging Face cache, config and weight files."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+
+
+def resolve_model_path(model: str, revision: str | None = None, allow_download: bool | None = None) -> Path:
+    """A folder, a config.json file (for dummy weights), or a hub name found in the local HF cache.
+
+    Downloading from the hub happens only when allowed (not when HF_HUB_OFFLINE is set).
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {path} has no config.json")
+        return path
+    if path.is_file() and path.suffix == ".json":
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError) as local_err:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        if allow_download is None:
+            allow_download = not offline
+        if not allow_download:
+            raise FileNotFoundError(
+                f"model {model!r} is neither a local folder nor in the local Hugging Face cache "
+                f"({os.environ.get('HF_HUB_CACHE', '~/.cache/huggingface/hub')}), and downloading is off "
+                f"(HF_HUB_OFFLINE is set). Pass a folder with config.json and *.safetensors."
+            ) from local_err
+        logger.info("downloading %s from the Hugging Face hub", model)
+        return Path(snapshot_download(
+            model, revision=revision,
+            allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+        ))
+
+
+def config_file(path: Path) -> Path:
+    return path if path.is_file() else path / "config.json"
+
+
+def load_hf_config(path: Path):
+    """Parse config.json with transformers (which normalises rope settings across versions)."""
+    from transformers import AutoConfig, CONFIG_MAPPING
+
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path)
+    raw = json.loads(path.read_text())
+    model_type = raw.pop("model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{path}: unknown or missing model_type {model_type!r}")
+    return CONFIG_MAPPING[model_type].from_dict(raw)
+
+
+def has_tokenizer(path: Path) -> bool:
+    return path.is_dir() and any((path / f).is_file() for f in TOKENIZER_FILES)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the ones its index names, or all of them."""
+    if not path.is_dir():
+        return []
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are missing: {missing}")
+        return [path / n for n in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+def generation_eos_ids(path: Path) -> set[int]:
+    """EOS ids from generation_config.json (a number or a list), if the model has one."""
+    gen = path / "generation_config.json" if path.is_dir() else None
+    if gen is None or not gen.is_file():
+        return set()
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {eos}

@@ -1,0 +1,116 @@
+"""ModelRunner: turns a scheduled step into tensors, runs the model once, and samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.model_executor.attention import build_attention_metadata, forward_context
+from pagedllm.model_executor.loader import load_model
+from pagedllm.model_executor.sampler import SampledRow, Sampler
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """Logprobs of prompt tokens first_position .. first_position + len - 1 (each given its prefix)."""
+
+    first_position: int
+    token_logprobs: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, SampledRow] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.model = load_model(config.model, self.device)
+        self.sampler = Sampler(self.device, config.model.seed)
+        self.kv_cache: torch.Tensor | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    def kv_bytes_per_token(self) -> int:
+        m = self.config.model
+        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One tensor for every layer's K and V; each attention layer gets views of its slice."""
+        m = self.config.model
+        slots = num_blocks * self.block_size
+        # Zeros, not empty: padded key positions are multiplied by 0 attention, and 0 * NaN is NaN.
+        self.kv_cache = torch.zeros((m.num_layers, 2, slots, m.num_kv_heads, m.head_dim),
+                                    dtype=m.dtype, device=self.device)
+        for i, attn in enumerate(self.model.attention_layers()):
+            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        starts, lengths, tables, input_ids = [], [], [], []
+        for s in step.scheduled:
+            c = s.request.num_computed_tokens
+            starts.append(c)
+            lengths.append(s.num_new_tokens)
+            tables.append(s.block_table)
+            input_ids.extend(s.request.all_token_ids[c:c + s.num_new_tokens])
+        meta = build_attention_metadata(starts, lengths, tables, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        with forward_context(meta):
+            hidden = self.model(ids, meta.positions)  # (tokens, hidden)
+
+        # Rows whose logits we need: each sampling request's last token, then prompt-logprob rows.
+        sample_rows, sample_reqs, prompt_spans = [], [], []
+        offset = 0
+        for s, c, n in zip(step.scheduled, starts, lengths):
+            req = s.request
+            if s.samples:
+                sample_rows.append(offset + n - 1)
+                sample_reqs.append(req)
+            if req.wants_prompt_logprobs and c < req.num_prompt_tokens - 1:
+                end = min(c + n, req.num_prompt_tokens - 1)  # positions that predict a prompt token
+                prompt_spans.append((req, c, offset, end - c))
+            offset += n
+        out = ModelRunnerOutput()
+        if sample_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            for req, row in zip(sample_reqs, self.sampler(logits, sample_reqs)):
+                out.sampled[req.request_id] = row
+        for req, first, offset, count in prompt_spans:
+            out.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, first, hidden[offset:offset + count])
+        return out
+
+    def _prompt_logprobs(self, req, first: int, hidden: torch.Tensor) -> PromptLogprobsChunk:
+        logprobs = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
+        targets = torch.tensor(req.prompt_token_ids[first + 1:first + 1 + len(hidden)], device=self.device)
+        chosen = logprobs.gather(1, targets[:, None])
+        ranks = (logprobs > chosen).sum(-1) + 1
+        n = req.sampling_params.prompt_logprobs
+        top_lp, top_ids = logprobs.topk(n, dim=-1) if n else (torch.empty(len(hidden), 0),) * 2
+        return PromptLogprobsChunk(first + 1, chosen.squeeze(1).tolist(), ranks.tolist(),
+                                   top_ids.long().tolist(), top_lp.tolist())
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self, num_tokens: int) -> int:
+        """Peak activation memory of one forward of `num_tokens` (measured on CUDA, estimated on CPU)."""
+        cfg = self.config.model.hf_config
+        itemsize = self.config.model.dtype.itemsize
+        per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * itemsize
+        logits_rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+        return num_tokens * per_token + logits_rows * cfg.vocab_size * 4 * 2

@@ -1,0 +1,206 @@
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3 (one decoder, a few config switches)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.model_executor.attention import PagedAttention
+from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, get_activation
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v projections stacked in one matmul (loaded from the checkpoint's three).
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # (tokens, heads, dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg, bias: bool) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.act = get_activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, rotary, qkv_bias, o_bias, qk_norm)
+        self.mlp = LlamaMLP(cfg, mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, max_positions: int, qkv_bias, o_bias, qk_norm, mlp_bias) -> None:
+        super().__init__()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        rotary = RotaryEmbedding(head_dim, max_positions, cfg.rope_parameters)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)  # (tokens, hidden)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+
+# Checkpoint tensor name piece -> (our stacked parameter, shard id)
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    """Causal LM over the Llama decoder. Subclasses flip the switches their checkpoints need."""
+
+    qkv_bias_default = False
+    qk_norm = False
+
+    def __init__(self, cfg, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        attention_bias = getattr(cfg, "attention_bias", self.qkv_bias_default)
+        qkv_bias, o_bias = self._biases(attention_bias)
+        self.model = LlamaModel(cfg, max_positions, qkv_bias, o_bias, self.qk_norm, getattr(cfg, "mlp_bias", False))
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (again after to_empty(), which unties them)."""
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def _biases(attention_bias: bool) -> tuple[bool, bool]:
+        return attention_bias, attention_bias
+
+    @classmethod
+    def verify_config(cls, cfg, max_model_len: int) -> None:
+        """Refuse, by name, config features this implementation would otherwise silently ignore."""
+        window = getattr(cfg, "sliding_window", None)
+        uses_window = getattr(cfg, "use_sliding_window", window is not None)
+        if uses_window and window is not None and window < max_model_len:
+            raise UnsupportedModelError(
+                f"sliding window attention (sliding_window={window}) is not supported. It only matters "
+                f"past {window} tokens: pass max_model_len <= {window} to run this model."
+            )
+        for name, allowed in (("pretraining_tp", (None, 1)), ("attn_logit_softcapping", (None,))):
+            if getattr(cfg, name, None) not in allowed:
+                raise UnsupportedModelError(f"{name}={getattr(cfg, name)} is not supported.")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into parameters (stacking q/k/v and gate/up). Returns loaded names."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            piece = next((p for p in STACKED_PARAMS if f".{p}." in name), None)
+            if piece is not None:
+                target, shard = STACKED_PARAMS[piece]
+                pname = name.replace(f".{piece}.", f".{target}.")
+                param = self._param(params, pname, name)
+                self._shard_slice(param, pname, shard).copy_(tensor)
+                loaded.add(f"{pname}#{shard}")
+            else:
+                param = self._param(params, name, name)
+                if param.shape != tensor.shape:
+                    raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                loaded.add(name)
+        return loaded
+
+    def expected_weight_names(self) -> set[str]:
+        names = set()
+        for pname, _ in self.named_parameters():
+            target = pname.split(".")[-2]
+            shards = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}.get(target)
+            if shards:
+                names.update(f"{pname}#{s}" for s in shards)
+            else:
+                names.add(pname)
+        return names
+
+    @staticmethod
+    def _param(params: dict, pname: str, ckpt_name: str) -> nn.Parameter:
+        if pname not in params:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} does not belong to this model")
+        return params[pname]
+
+    def _shard_slice(self, param: torch.Tensor, pname: str, shard) -> torch.Tensor:
+        data = param.data
+        if shard in ("q", "k", "v"):
+            attn = self.get_submodule(pname.rsplit(".", 2)[0])
+            q, kv = attn.q_size, attn.kv_size
+            start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
+        else:
+            size = data.shape[0] // 2
+            start = shard * size
+        return data.narrow(0, start, size)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def _biases(attention_bias: bool) -> tuple[bool, bool]:
+        return True, False  # Qwen2 always has q/k/v bias and never an o_proj bias
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True

@@ -1,0 +1,28 @@
+"""Architecture name (config.json "architectures") -> our implementation."""
+from __future__ import annotations
+
+from pagedllm.errors import UnsupportedModelError
+from pagedllm.model_executor.models.llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+)
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(hf_config) -> tuple[str, type]:
+    archs = getattr(hf_config, "architectures", None) or []
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            return arch, MODEL_REGISTRY[arch]
+    raise UnsupportedModelError(
+        f"model architecture {archs or '(none in config.json)'} is not supported. "
+        f"Supported architectures: {', '.join(MODEL_REGISTRY)}."
+    )

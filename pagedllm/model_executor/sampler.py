@@ -1,0 +1,149 @@
+"""Sampler: logits -> next tokens (+ logprobs), each row under its own request's parameters."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.engine.request import Request
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SampledRow:
+    token_id: int
+    # (logprob of the chosen token, its rank, top-N ids, top-N logprobs) when logprobs were asked for
+    logprob: float | None = None
+    rank: int | None = None
+    top_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
+
+
+class Sampler:
+    """Greedy, temperature, top-k, top-p, min-p, penalties, min_tokens, seeds, logprobs.
+
+    Logprobs are those of the model's raw distribution (before temperature and penalties), as in
+    vLLM's default. Sampling uses the exponential-race trick (argmax of p / Exp(1) noise), with
+    noise drawn from the request's own generator when it has a seed, so a seeded request's tokens
+    do not depend on the rest of the batch.
+    """
+
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledRow]:
+        logits = logits.float()  # (rows, vocab)
+        params = [r.sampling_params for r in requests]
+        max_logprobs = max((p.logprobs or 0) if p.logprobs is not None else -1 for p in params)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs >= 0 else None
+
+        logits = self._apply_min_tokens(logits, requests)
+        logits = self._apply_penalties(logits, requests)
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        tokens = logits.argmax(dim=-1)
+        if not bool(greedy.all()):
+            sampled = self._sample(logits, requests)
+            tokens = torch.where(greedy, tokens, sampled)
+
+        token_list = tokens.tolist()
+        rows = [SampledRow(t) for t in token_list]
+        if raw_logprobs is not None:
+            self._fill_logprobs(rows, raw_logprobs, tokens, params, max_logprobs)
+        return rows
+
+    # -- logits processing -------------------------------------------------------------------
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        for i, r in enumerate(requests):
+            p = r.sampling_params
+            if r.num_output_tokens < p.min_tokens:
+                banned = list(r.eos_token_ids | set(p.stop_token_ids))
+                if banned:
+                    logits[i, banned] = _NEG_INF
+        return logits
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        if all(p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+               for p in params):
+            return logits
+        rows, vocab = logits.shape
+        device = logits.device
+        out_counts = torch.zeros((rows, vocab), device=device)
+        seen = torch.zeros((rows, vocab), dtype=torch.bool, device=device)
+        for i, r in enumerate(requests):
+            out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
+            if len(out_ids):
+                out_counts[i].scatter_add_(0, out_ids, torch.ones(len(out_ids), device=device))
+            seen[i, torch.tensor(r.prompt_token_ids, dtype=torch.long, device=device)] = True
+        seen |= out_counts > 0
+        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        # Repetition penalty (prompt and output tokens): shrink positive logits, grow negative ones.
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = torch.where(seen, penalised, logits)
+        # OpenAI presence / frequency penalties (output tokens only).
+        logits = logits - freq * out_counts - pres * (out_counts > 0).float()
+        return logits
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        device = logits.device
+        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
+        logits = logits / temperature[:, None]
+        top_k = [p.top_k for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        noise = torch.empty_like(probs)
+        noise.exponential_(generator=self.generator)
+        for i, r in enumerate(requests):
+            if r.sampling_params.seed is not None:
+                if r.generator is None:
+                    r.generator = torch.Generator(device=device).manual_seed(r.sampling_params.seed)
+                noise[i].exponential_(generator=r.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    # -- logprobs -----------------------------------------------------------------------------
+    @staticmethod
+    def _fill_logprobs(rows, raw_logprobs, tokens, params, max_logprobs) -> None:
+        chosen = raw_logprobs.gather(1, tokens[:, None])  # (rows, 1)
+        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+        top_lp, top_ids = (raw_logprobs.topk(max_logprobs, dim=-1) if max_logprobs > 0 else (None, None))
+        chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
+        top_lp_l = top_lp.tolist() if top_lp is not None else None
+        top_ids_l = top_ids.tolist() if top_ids is not None else None
+        for i, (row, p) in enumerate(zip(rows, params)):
+            if p.logprobs is None:
+                continue
+            row.logprob, row.rank = chosen_l[i], ranks_l[i]
+            n = p.logprobs
+            row.top_ids = top_ids_l[i][:n] if n else []
+            row.top_logprobs = top_lp_l[i][:n] if n else []
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus. Keeps at least one."""
+    vocab = logits.shape[-1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device)
+    rank = torch.arange(vocab, device=device)[None, :]
+    remove = rank >= k[:, None]
+    sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
+    p = torch.tensor(top_p, device=device)[:, None]
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
+    remove = remove | (mass_before >= p)
+    remove[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

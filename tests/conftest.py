@@ -1,0 +1,17 @@
+"""Shared pytest fixtures: tiny random-weight checkpoints for every supported architecture."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ARCHS, hf_greedy, load_hf_model, make_tiny_model
+
+__all__ = ["hf_greedy", "load_hf_model", "make_tiny_model"]
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """arch -> folder of a tiny checkpoint (built once per test session, ~0.5 s each)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {arch: make_tiny_model(root / arch, arch) for arch in ARCHS}

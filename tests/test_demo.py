@@ -1,0 +1,225 @@
+"""Tests for the built-in demo model and the tiny-checkpoint test helpers."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedllm import demo
+from tests.helpers import ARCHS, hf_greedy, load_hf_model, make_tiny_model
+
+transformers = pytest.importorskip("transformers")
+AutoTokenizer = transformers.AutoTokenizer
+AutoConfig = transformers.AutoConfig
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("demo_tok")
+    demo.build_tokenizer(path)
+    return path
+
+
+def test_tokenizer_files_and_determinism(demo_tokenizer_dir: Path, tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (demo_tokenizer_dir / name).is_file()
+    demo.build_tokenizer(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / name).read_bytes() == (demo_tokenizer_dir / name).read_bytes()
+    cfg = json.loads((demo_tokenizer_dir / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert cfg["bos_token"] == "<|begin_of_text|>" and cfg["eos_token"] == "<|end_of_text|>"
+
+
+@pytest.mark.parametrize("text", ["héllo 日本 🙂", "Once upon a time, there was a cat.\n\nThe end!", "  tabs\tand  spaces ", ""])
+def test_tokenizer_roundtrip_unicode(demo_tokenizer_dir: Path, text: str) -> None:
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+
+
+def test_bos_prepended(demo_tokenizer_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    assert tok.bos_token_id == demo.DEMO_CONFIG["bos_token_id"]
+    assert tok.eos_token_id == demo.DEMO_CONFIG["eos_token_id"]
+    assert tok.pad_token == "<|pad|>"
+    with_bos = tok("Once upon a time").input_ids
+    without = tok("Once upon a time", add_special_tokens=False).input_ids
+    assert with_bos == [tok.bos_token_id] + without
+    assert len(tok) == demo.DEMO_CONFIG["vocab_size"]
+
+
+def test_chat_template(demo_tokenizer_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(demo_tokenizer_dir)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi there!<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    no_prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
+    assert no_prompt.endswith("Hi there!<|eot_id|>")
+    ids = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if not isinstance(ids, list) else ids
+    assert ids == tok(text, add_special_tokens=False).input_ids
+    assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    assert ids.count(eot) == 2
+
+
+# ---------------------------------------------------------------- tiny models
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_model_loads_and_generates(tiny_models: dict[str, Path], arch: str) -> None:
+    path = tiny_models[arch]
+    raw = json.loads((path / "config.json").read_text())
+    cfg = AutoConfig.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert cfg.vocab_size >= len(tok)
+    assert "rope_theta" in raw and "rope_scaling" in raw and "rope_parameters" not in raw
+    model = load_hf_model(path)
+    names = dict(model.named_parameters())
+    if arch == "llama":
+        assert raw["rope_scaling"]["rope_type"] == "llama3"
+        assert cfg.rope_parameters["rope_type"] == "llama3"
+        assert cfg.rope_parameters["original_max_position_embeddings"] == 128
+        assert not cfg.tie_word_embeddings and "lm_head.weight" in names
+    elif arch == "mistral":
+        assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_attention_heads
+        assert cfg.sliding_window is None
+        assert names["model.layers.0.self_attn.q_proj.weight"].shape == (4 * 32, 64)
+    elif arch == "qwen2":
+        assert cfg.tie_word_embeddings and cfg.num_key_value_heads == 1
+        assert "model.layers.0.self_attn.q_proj.bias" in names
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    elif arch == "qwen3":
+        assert "model.layers.0.self_attn.q_norm.weight" in names
+        assert cfg.head_dim == 32 and cfg.rope_parameters["rope_theta"] == 1e6
+    gen_cfg = json.loads((path / "generation_config.json").read_text())
+    assert gen_cfg["eos_token_id"] == tok.eos_token_id and gen_cfg["bos_token_id"] == tok.bos_token_id
+
+    prompt = tok("Once upon a time").input_ids
+    ids, logprobs = hf_greedy(path, prompt, 8)
+    assert len(ids) == len(logprobs) == 8
+    # Reference check: teacher-forced forward pass agrees with generate's argmax and logprobs.
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    assert logits.argmax(-1).tolist() == ids
+    lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1)
+    assert torch.allclose(lp, torch.tensor(logprobs), atol=1e-4)
+    # Weights are scaled so greedy choices have clear margins (not near-uniform logits).
+    assert max(logprobs) > -3.0
+
+
+def test_rope_scaling_override(tmp_path: Path) -> None:
+    path = make_tiny_model(tmp_path / "m", "llama", rope_scaling={"type": "linear", "factor": 2.0}, num_hidden_layers=1)
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["rope_scaling"] == {"type": "linear", "factor": 2.0}
+    assert raw["num_hidden_layers"] == 1
+    cfg = AutoConfig.from_pretrained(path)
+    assert cfg.rope_parameters["rope_type"] == "linear" and cfg.rope_parameters["factor"] == 2.0
+    assert len(hf_greedy(path, [0, 5, 6], 3)[0]) == 3
+
+
+def test_sharded_save(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    path = make_tiny_model(tmp_path / "sharded", "qwen2", shards=3)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert not (path / "model.safetensors").exists()
+    assert all((path / f).is_file() for f in files)
+    # Same seed and config as the unsharded fixture model: identical weights and greedy tokens
+    # (logprobs only up to float noise: BLAS paths depend on buffer alignment).
+    ref = load_hf_model(tiny_models["qwen2"]).state_dict()
+    got = load_hf_model(path).state_dict()
+    assert sorted(ref) == sorted(got) and all(torch.equal(ref[k], got[k]) for k in ref)
+    prompt = [0, 17, 42, 99]
+    ids, lps = hf_greedy(path, prompt, 6)
+    ref_ids, ref_lps = hf_greedy(tiny_models["qwen2"], prompt, 6)
+    assert ids == ref_ids
+    assert lps == pytest.approx(ref_lps, abs=1e-4)
+
+
+def test_hf_greedy_ignore_eos(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
+    path = tmp_path / "eos"
+    shutil.copytree(tiny_models["llama"], path)
+    prompt = [0, 11, 12, 13]
+    first = hf_greedy(path, prompt, 1)[0][0]
+    # Make the first greedy token the model's eos.
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen["eos_token_id"] = first
+    gen_path.write_text(json.dumps(gen))
+    from tests import helpers
+
+    helpers._HF_MODELS.pop(str(path.resolve()), None)
+    assert len(hf_greedy(path, prompt, 5, ignore_eos=True)[0]) == 5
+    assert hf_greedy(path, prompt, 5, ignore_eos=False)[0] == [first]
+
+
+# ---------------------------------------------------------------- demo model
+
+
+@pytest.fixture(scope="module")
+def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float]:
+    """Build the demo model once into a temp cache; return (cache_root, model_path, mtime)."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_CACHE_DIR", str(root))
+        path = demo.demo_model_path()
+    return root, path, (path / "model.safetensors").stat().st_mtime
+
+
+def test_demo_model_path_builds_once(demo_cache: tuple[Path, Path, float], monkeypatch: pytest.MonkeyPatch) -> None:
+    root, path, mtime = demo_cache
+    assert path == root / "demo-llama-v1"
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (path / name).is_file(), name
+    assert [p.name for p in root.iterdir()] == ["demo-llama-v1"]  # no temp leftovers
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise AssertionError("demo model rebuilt")
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(root))
+    monkeypatch.setattr(demo, "build_demo_model", fail)
+    assert demo.demo_model_path() == path
+    assert (path / "model.safetensors").stat().st_mtime == mtime
+
+
+def test_demo_model_config(demo_cache: tuple[Path, Path, float]) -> None:
+    _, path, _ = demo_cache
+    raw = json.loads((path / "config.json").read_text())
+    for key, value in demo.DEMO_CONFIG.items():
+        assert raw[key] == value, key
+    gen = json.loads((path / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == demo.DEMO_CONFIG["eos_token_id"]
+    assert gen["bos_token_id"] == demo.DEMO_CONFIG["bos_token_id"]
+
+
+def test_demo_model_is_trained(demo_cache: tuple[Path, Path, float]) -> None:
+    _, path, _ = demo_cache
+    model = load_hf_model(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert model.dtype == torch.float32
+    # Random weights give ~log(vocab) = 6.6; the trained model is far below that.
+    loss = demo.corpus_loss(model, path)
+    assert loss < 0.3 * math.log(len(tok)), loss
+
+    prompt = tok("Once upon a time").input_ids
+    ids, _ = hf_greedy(path, prompt, 30)
+    text = tok.decode(ids, skip_special_tokens=True)
+    letters = sum(c.isascii() and (c.isalpha() or c.isspace()) for c in text)
+    assert len(text) > 40 and letters / len(text) > 0.85, text
+    words = [w.strip(".,!?\"") for w in text.split()]
+    vocab = set(w.strip(".,!?\"") for w in demo.CORPUS.split())
+    assert sum(w in vocab for w in words) / len(words) > 0.6, text
