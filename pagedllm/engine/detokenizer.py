@@ -48,6 +48,18 @@ class IncrementalDetokenizer:
         stop = self._find_stop(old_len)
         return self.output_text[old_len:], stop
 
+    def flush(self) -> tuple[str, str | None]:
+        """At the end of a sequence, release text held back for bytes that never completed."""
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset:])
+        if len(full_text) <= len(prefix_text):
+            return "", None
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        old_len = len(self.output_text)
+        self.output_text += full_text[len(prefix_text):]
+        stop = self._find_stop(old_len)
+        return self.output_text[old_len:], stop
+
     def _find_stop(self, old_len: int) -> str | None:
         if not self.stop:
             return None

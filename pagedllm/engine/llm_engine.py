@@ -205,6 +205,8 @@ class LLMEngine:
             if stopped_by_token and not req.sampling_params.include_stop_str_in_output:
                 continue  # the EOS / stop token's own text is not part of the output
             _, stop = seq.detokenizer.add_token(row.token_id)
+            if stop is None and req.is_finished:
+                _, stop = seq.detokenizer.flush()
             if stop is not None:
                 if not req.is_finished:
                     self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
@@ -214,9 +216,14 @@ class LLMEngine:
         return list(touched.values())
 
     def _add_prompt_logprobs(self, group: _Group, chunk) -> None:
-        if group.prompt_logprobs is None or chunk.first_position != len(group.prompt_logprobs):
-            return  # a recompute after preemption: these positions are already recorded
-        for lp, rank, ids, lps in zip(chunk.token_logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs):
+        if group.prompt_logprobs is None:
+            return
+        # After a preemption the prompt is recomputed: keep only positions not yet recorded.
+        skip = len(group.prompt_logprobs) - chunk.first_position
+        if skip < 0:
+            raise RuntimeError(f"prompt logprobs arrived out of order for request {group.request_id}")
+        rows = list(zip(chunk.token_logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs))[skip:]
+        for lp, rank, ids, lps in rows:
             target = group.prompt_token_ids[len(group.prompt_logprobs)]
             entry = {target: Logprob(lp, rank, self._decode_one(target))}
             for r, (tid, tlp) in enumerate(zip(ids, lps), start=1):

@@ -26,8 +26,9 @@ def resolve_model_path(model: str, revision: str | None = None, allow_download: 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
+    cache_dir = hub_cache_dir()
     try:
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+        return Path(snapshot_download(model, revision=revision, local_files_only=True, cache_dir=cache_dir))
     except (LocalEntryNotFoundError, ValueError, OSError) as local_err:
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
         if allow_download is None:
@@ -35,18 +36,23 @@ def resolve_model_path(model: str, revision: str | None = None, allow_download: 
         if not allow_download:
             raise FileNotFoundError(
                 f"model {model!r} is neither a local folder nor in the local Hugging Face cache "
-                f"({os.environ.get('HF_HUB_CACHE', '~/.cache/huggingface/hub')}), and downloading is off "
+                f"({cache_dir}), and downloading is off "
                 f"(HF_HUB_OFFLINE is set). Pass a folder with config.json and *.safetensors."
             ) from local_err
         logger.info("downloading %s from the Hugging Face hub", model)
         return Path(snapshot_download(
-            model, revision=revision,
+            model, revision=revision, cache_dir=cache_dir,
             allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
         ))
 
 
-def config_file(path: Path) -> Path:
-    return path if path.is_file() else path / "config.json"
+def hub_cache_dir() -> str:
+    """The HF hub cache, read from the environment now (huggingface_hub reads it once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    hf_home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "huggingface")
+    return os.path.join(hf_home, "hub")
 
 
 def load_hf_config(path: Path):
