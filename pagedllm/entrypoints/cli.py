@@ -58,6 +58,14 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    if ns.kind == "throughput":
+        from pagedllm.bench.throughput import main as throughput_main
+
+        return throughput_main(ns.rest)
+    raise ValueError(f"unknown benchmark {ns.kind!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="LLM inference over a paged KV cache")
     parser.add_argument("--log-level", default="INFO")
@@ -77,6 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks (throughput)", add_help=False)
+    bench.add_argument("kind", choices=["throughput"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -143,7 +143,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     p = torch.tensor(top_p, device=device)[:, None]
     probs = torch.softmax(sorted_logits, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
-    remove = remove | (mass_before >= p)
+    remove = remove | ((mass_before >= p) & (p < 1.0))  # p == 1: float cumsum may hit 1 early
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)

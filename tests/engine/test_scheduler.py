@@ -219,13 +219,15 @@ def test_waiting_request_not_admitted_without_blocks() -> None:
 # Preemption
 # --------------------------------------------------------------------------------------------
 def test_newest_running_request_is_preempted_and_resumes() -> None:
-    # Three 4-token prompts in 4-token blocks; the pool has one spare block.
-    sched = make_scheduler(num_blocks=4, block_size=4)
+    # Three 4-token prompts in 4-token blocks; the pool has one spare block. d waits (max_num_seqs).
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=3)
     a, b, c = (make_request(n, 4, max_tokens=4) for n in "abc")
-    for r in (a, b, c):
+    d = make_request("d", 4, max_tokens=1)
+    for r in (a, b, c, d):
         sched.add_request(r)
     out, samples, _ = step(sched, counter_token)
     assert [s.request for s in out.scheduled] == [a, b, c] and all(samples)
+    assert list(sched.waiting) == [d]
     assert sched.kv_cache.num_free_blocks == 1
     c_tokens = list(c.all_token_ids)
     c_blocks = list(sched.kv_cache.block_table("c"))
@@ -237,7 +239,7 @@ def test_newest_running_request_is_preempted_and_resumes() -> None:
     assert sched.num_preemptions == 1
     assert c.num_preemptions == 1
     assert c.status == RequestStatus.PREEMPTED
-    assert sched.waiting[0] is c
+    assert list(sched.waiting) == [c, d]  # the preempted request goes to the front of the queue
     assert c not in sched.running
     assert c.num_computed_tokens == 0
     assert "c" not in sched.kv_cache.block_tables
@@ -245,25 +247,25 @@ def test_newest_running_request_is_preempted_and_resumes() -> None:
     # b got one of c's blocks.
     assert set(sched.kv_cache.block_table("b")) & set(c_blocks)
 
-    # A request that arrives now queues behind the preempted one.
-    d = make_request("d", 4, max_tokens=1)
-    sched.add_request(d)
-    assert list(sched.waiting) == [c, d]
+    # A request that arrives now queues behind both.
+    e = make_request("e", 4, max_tokens=1)
+    sched.add_request(e)
+    assert list(sched.waiting) == [c, d, e]
 
     steps = 0
     order_started = []
     while sched.has_unfinished():
         out, _, _ = step(sched, counter_token)
         for s in out.scheduled:
-            if s.request in (c, d) and s.request not in order_started:
+            if s.request in (c, d, e) and s.request not in order_started:
                 order_started.append(s.request)
         steps += 1
         assert steps < 100
-    assert order_started[0] is c  # the preempted request resumes first
+    assert order_started == [c, d, e]  # the preempted request resumes first, then FCFS
     for r in (a, b, c):
         assert r.status == RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == [1000, 1001, 1002, 1003]
-    assert d.status == RequestStatus.FINISHED_LENGTH
+    assert d.status == e.status == RequestStatus.FINISHED_LENGTH
     assert sched.kv_cache.num_free_blocks == 4
 
 
@@ -307,26 +309,30 @@ def test_request_preempts_itself_when_alone_and_too_big() -> None:
 
 
 def test_chunked_prefill_request_preempted_resets() -> None:
-    # a grows to 28 tokens (7 blocks): the pool holds it, but not b at the same time.
-    sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=8)
+    # a grows to 28 tokens (7 blocks), b to 26 (7 blocks): each fits the pool alone, not together.
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_batched_tokens=6)
     a = make_request("a", 8, max_tokens=20)
-    b = make_request("b", 40, max_tokens=2)
+    b = make_request("b", 24, max_tokens=2)
     sched.add_request(a)
     step(sched)
     sched.add_request(b)
-    # b prefills in 7-token chunks next to a's decode until the pool runs dry.
-    preempted_at = None
-    for i in range(20):
+    # b prefills in 5-token chunks next to a's decode until the pool runs dry.
+    computed_before = None
+    for _ in range(20):
+        before = b.num_computed_tokens
         out, _, _ = step(sched)
         if out.preempted:
-            preempted_at = i
+            computed_before = before
             assert out.preempted == [b]
-            assert b.num_computed_tokens == 0
-            assert b.num_output_tokens == 0
+            assert [s.request for s in out.scheduled] == [a]
             break
-    assert preempted_at is not None
-    steps = run_to_completion(sched, max_steps=200)
-    assert steps > 0
+    assert computed_before is not None
+    assert 0 < computed_before < b.num_prompt_tokens  # it was preempted mid-prefill
+    assert b.num_computed_tokens == 0
+    assert b.num_output_tokens == 0
+    assert b.status == RequestStatus.PREEMPTED
+    assert "b" not in sched.kv_cache.block_tables
+    run_to_completion(sched, max_steps=200)
     assert a.status == b.status == RequestStatus.FINISHED_LENGTH
     assert a.num_output_tokens == 20 and b.num_output_tokens == 2
 

@@ -1,0 +1,182 @@
+"""`pagedllm bench throughput`: offline throughput of pagedllm beside transformers on the same requests.
+
+Output tokens / wall time of the whole batch, as vLLM's benchmark_throughput reports it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                    seed: int) -> list[BenchRequest]:
+    """Random token ids (ids 10.. to stay clear of the usual special tokens), lengths within +-range_ratio."""
+    rng = random.Random(seed)
+
+    def length(n: int) -> int:
+        return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
+
+    hi = min(vocab_size, 32000) - 1
+    return [BenchRequest([rng.randint(10, hi) for _ in range(length(input_len))], length(output_len))
+            for _ in range(num_prompts)]
+
+
+def file_requests(path: str, num_prompts: int, output_len: int | None, tokenizer) -> list[BenchRequest]:
+    """JSONL lines with "prompt" (and optional "output_len"), or ShareGPT JSON (first human turn)."""
+    text = open(path).read()
+    items = []
+    if path.endswith(".jsonl"):
+        for line in text.splitlines():
+            if line.strip():
+                row = json.loads(line)
+                items.append((row["prompt"], row.get("output_len")))
+    else:
+        for conv in json.loads(text):
+            turns = conv.get("conversations") or conv.get("conversation") or []
+            if len(turns) >= 2:
+                reply_len = len(tokenizer.encode(turns[1]["value"]))
+                items.append((turns[0]["value"], reply_len))
+    if tokenizer is None:
+        raise ValueError("a dataset file needs a model with a tokenizer")
+    return [BenchRequest(tokenizer.encode(p), output_len or n or 128) for p, n in items[:num_prompts]]
+
+
+def run_pagedllm(args, requests: list[BenchRequest]) -> float:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
+              for r in requests]
+    llm.generate(prompts[:2], [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=True)
+    return time.perf_counter() - start
+
+
+def _hf_model(args):
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.config import resolve_dtype
+    from pagedllm.model_executor.model_files import load_hf_config, resolve_model_path
+
+    path = resolve_model_path(args.model)
+    config = load_hf_config(path)
+    dtype = resolve_dtype(args.dtype, getattr(config, "dtype", None), "cpu")
+    if args.load_format == "dummy":
+        torch.manual_seed(args.seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval()
+
+
+def run_transformers(args, requests: list[BenchRequest], batch_size: int, model=None) -> float:
+    """Static batches through `generate`, left-padded, sampling at temperature 1."""
+    model = model or _hf_model(args)
+    pad = 0
+    start = time.perf_counter()
+    from tqdm.auto import tqdm
+
+    for i in tqdm(range(0, len(requests), batch_size), desc=f"transformers batch {batch_size}"):
+        batch = requests[i:i + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
+        out_len = max(r.output_len for r in batch)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
+                           top_k=0, max_new_tokens=out_len, min_new_tokens=out_len if args.ignore_eos else 0,
+                           pad_token_id=pad)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pagedllm bench throughput")
+    p.add_argument("--model", default=None)
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--backend", choices=["pagedllm", "transformers"], action="append",
+                   help="repeat to run several in one go (default: pagedllm)")
+    p.add_argument("--dataset", default="random", help="'random', or a .jsonl / ShareGPT .json file")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--hf-batch-size", type=int, nargs="+", default=[16])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    backends = args.backend or ["pagedllm"]
+
+    from pagedllm.model_executor.model_files import has_tokenizer, load_hf_config, resolve_model_path
+
+    if args.model is None:
+        from pagedllm.demo import demo_model_path
+
+        args.model = str(demo_model_path())
+    path = resolve_model_path(args.model)
+    if args.dataset == "random":
+        vocab = load_hf_config(path).vocab_size
+        requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab,
+                                   args.seed)
+    else:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path) if has_tokenizer(path) else None
+        requests = file_requests(args.dataset, args.num_prompts, None, tok)
+
+    in_tokens = sum(len(r.prompt_token_ids) for r in requests)
+    out_tokens = sum(r.output_len for r in requests)
+    results = []
+    for backend in backends:
+        runs = [("pagedllm", None, lambda: run_pagedllm(args, requests))] if backend == "pagedllm" else []
+        if backend == "transformers":
+            model = _hf_model(args)
+            runs = [("transformers", bs, lambda bs=bs: run_transformers(args, requests, bs, model))
+                    for bs in args.hf_batch_size]
+        for name, bs, fn in runs:
+            elapsed = fn()
+            results.append({
+                "backend": name, "hf_batch_size": bs, "elapsed_s": elapsed,
+                "requests_per_second": len(requests) / elapsed,
+                "total_tokens_per_second": (in_tokens + out_tokens) / elapsed,
+                "output_tokens_per_second": out_tokens / elapsed,
+            })
+            r = results[-1]
+            label = name + (f" (batch {bs})" if bs else "")
+            print(f"{label}: {r['requests_per_second']:.2f} requests/s, {r['total_tokens_per_second']:.1f} total "
+                  f"tokens/s, {r['output_tokens_per_second']:.1f} output tokens/s ({elapsed:.1f} s)", flush=True)
+    settings = {k: v for k, v in vars(args).items() if k != "backend"} | {"backends": backends,
+                "num_requests": len(requests), "input_tokens": in_tokens, "output_tokens": out_tokens}
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"settings": settings, "results": results}, f, indent=2)
+    base = next((r for r in results if r["backend"] == "pagedllm"), None)
+    if base:
+        for r in results:
+            if r is not base:
+                ratio = base["output_tokens_per_second"] / r["output_tokens_per_second"]
+                print(f"pagedllm / {r['backend']} (batch {r['hf_batch_size']}): {ratio:.2f}x output tokens/s")
+    return 0

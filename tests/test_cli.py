@@ -1,0 +1,51 @@
+"""The `pagedllm` command as a user runs it (a real subprocess)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedllm", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+def test_generate_prints_the_greedy_completion(tiny_models):
+    model = str(tiny_models["qwen3"])
+    res = run_cli("generate", "--model", model, "--dtype", "float32", "--max-model-len", "64",
+                  "--max-tokens", "8", "--ignore-eos", "Once upon")
+    assert res.returncode == 0, res.stderr
+    expected = LLM(model, dtype="float32", max_model_len=64).generate(
+        "Once upon", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    assert res.stdout.rstrip("\n") == expected
+    assert "memory plan" in res.stderr and "KV cache" in res.stderr
+
+
+def test_generate_reports_bad_input_without_a_traceback(tiny_models):
+    res = run_cli("generate", "--model", str(tiny_models["qwen3"]), "--temperature", "-1", "hi")
+    assert res.returncode == 2
+    assert "temperature must be" in res.stderr and "Traceback" not in res.stderr
+    res = run_cli("generate", "--model", "/no/such/model", "hi", env={"HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 2 and "/no/such/model" in res.stderr
+
+
+def test_bench_throughput_writes_json(tiny_models, tmp_path):
+    out = tmp_path / "bench.json"
+    res = run_cli("bench", "throughput", "--model", str(tiny_models["llama"]), "--dtype", "float32",
+                  "--num-prompts", "6", "--input-len", "12", "--output-len", "5", "--ignore-eos",
+                  "--backend", "pagedllm", "--backend", "transformers", "--hf-batch-size", "2", "6",
+                  "--max-model-len", "64", "--output-json", str(out))
+    assert res.returncode == 0, res.stderr
+    data = json.loads(out.read_text())
+    assert [r["backend"] for r in data["results"]] == ["pagedllm", "transformers", "transformers"]
+    assert [r["hf_batch_size"] for r in data["results"]] == [None, 2, 6]
+    for r in data["results"]:
+        assert r["output_tokens_per_second"] > 0
+        assert r["requests_per_second"] * r["elapsed_s"] == pytest.approx(6)
+    assert data["settings"]["output_tokens"] == 30
