@@ -216,7 +216,9 @@ def _make_demo_config() -> dict[str, Any]:
 
 DEMO_CONFIG: dict[str, Any] = _make_demo_config()
 
-# Training recipe. Steps were chosen so the build stays well under ~40 s on 2 CPU cores.
+# Training recipe (~123k training tokens, ~65 passes over the 1.9k-token corpus). On 2 idle CPU
+# cores this takes ~20 s and reaches a corpus loss of ~0.5 (random init: ~6.6); fewer steps
+# leave visibly garbled text.
 TRAIN_SEED = 0
 TRAIN_STEPS = 120
 TRAIN_SEQ_LEN = 128
@@ -308,7 +310,9 @@ def build_demo_model(save_dir: str | Path) -> Path:
     loss = _train(model, _corpus_token_ids(save_dir))
     logger.info("trained demo model in %.1f s (final loss %.3f)", time.perf_counter() - start, loss)
 
-    model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=DEMO_CONFIG["pad_token_id"])
+    model.generation_config = GenerationConfig(
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=DEMO_CONFIG["pad_token_id"]
+    )
     model.save_pretrained(save_dir, safe_serialization=True)
     _rewrite_config_json(save_dir / "config.json", DEMO_CONFIG)
     if not (save_dir / "model.safetensors").is_file():
@@ -346,6 +350,7 @@ def demo_model_path() -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     logger.info("building demo model into %s (one-time, ~30 s)", final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the finished cache folder should not be
     try:
         build_demo_model(tmp)
         if final.exists() and not (final / "config.json").is_file():

@@ -223,3 +223,32 @@ def test_demo_model_is_trained(demo_cache: tuple[Path, Path, float]) -> None:
     words = [w.strip(".,!?\"") for w in text.split()]
     vocab = set(w.strip(".,!?\"") for w in demo.CORPUS.split())
     assert sum(w in vocab for w in words) / len(words) > 0.6, text
+
+
+def test_demo_model_path_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed build leaves nothing behind; a half folder (no config.json) gets replaced."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    calls: list[Path] = []
+
+    def broken(save_dir: Path) -> Path:
+        (Path(save_dir) / "model.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "build_demo_model", broken)
+    with pytest.raises(KeyboardInterrupt):
+        demo.demo_model_path()
+    assert list(tmp_path.iterdir()) == []
+
+    def fake(save_dir: Path) -> Path:
+        calls.append(Path(save_dir))
+        (Path(save_dir) / "config.json").write_text("{}")
+        return Path(save_dir)
+
+    half = tmp_path / "demo-llama-v1"
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"partial")
+    monkeypatch.setattr(demo, "build_demo_model", fake)
+    path = demo.demo_model_path()
+    assert path == half and (path / "config.json").is_file() and not (path / "model.safetensors").exists()
+    assert demo.demo_model_path() == path and len(calls) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["demo-llama-v1"]
