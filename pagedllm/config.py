@@ -44,9 +44,15 @@ class ModelConfig:
     architecture: str
     dtype: torch.dtype
     max_model_len: int
+    max_model_len_auto: bool = False  # "auto": the engine lowers max_model_len to what fits
     load_format: str = "auto"
     seed: int = 0
     tokenizer: Path | None = None  # None: no tokenizer files (token-id prompts only)
+
+    @property
+    def model_max_len(self) -> int:
+        """The model's own limit (max_position_embeddings)."""
+        return self.hf_config.max_position_embeddings
 
     @property
     def num_layers(self) -> int:

@@ -41,7 +41,7 @@ class EngineArgs:
     revision: str | None = None
     dtype: str = "auto"
     seed: int = 0
-    max_model_len: int | None = None
+    max_model_len: int | str | None = None  # None: the model's limit; "auto": the largest that fits
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -84,7 +84,8 @@ class EngineArgs:
         tokenizer = self.tokenizer or (str(path) if has_tokenizer(path) else None)
         model_config = ModelConfig(
             model=self.model, path=path, hf_config=hf_config, architecture=architecture, dtype=dtype,
-            max_model_len=max_model_len, load_format=self.load_format, seed=self.seed,
+            max_model_len=max_model_len, max_model_len_auto=self.max_model_len in ("auto", -1),
+            load_format=self.load_format, seed=self.seed,
             tokenizer=tokenizer,
         )
         cache = CacheConfig(

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -11,8 +11,11 @@ from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.request import FINISH_REASONS, Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.errors import InvalidPromptError
-from pagedllm.memory.device import device_memory
+from pagedllm.memory.device import DeviceMemory, device_memory
+from pagedllm.memory.facts import device_facts, measured_model_facts, settings_from
+from pagedllm.memory.model_size import estimate_activation_bytes
 from pagedllm.memory.plan import MemoryPlan
+from pagedllm.memory.profiler import runtime_overhead_bytes
 from pagedllm.model_executor.model_files import generation_eos_ids
 from pagedllm.model_executor.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -52,11 +55,16 @@ class _Group:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
-        self.config = config
         self.tokenizer = tokenizer
+        at_start = device_memory(config.device)  # what others use, measured before we load anything
         self.runner = ModelRunner(config)
-        self.memory_plan = self._plan_memory()
+        self.memory_plan = self._plan_memory(config, at_start)
         self.memory_plan.check()
+        if config.model.max_model_len_auto:
+            config = self._with_max_model_len(config, self.memory_plan.max_model_len)
+            self.runner.config = config
+            logger.info("max_model_len auto: %d tokens fit", config.model.max_model_len)
+        self.config = config
         logger.info("memory plan:\n%s", self.memory_plan.table())
         self.runner.allocate_kv_cache(self.memory_plan.num_blocks)
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, config.cache.block_size)
@@ -67,18 +75,31 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # -- set-up -----------------------------------------------------------------------------
-    def _plan_memory(self) -> MemoryPlan:
-        cfg = self.config
-        mem = device_memory(cfg.device)
-        return MemoryPlan(
-            device=mem.device, total_bytes=mem.total_bytes, utilization=cfg.cache.gpu_memory_utilization,
-            used_by_others_bytes=mem.used_by_others_bytes, weight_bytes=self.runner.weight_bytes,
-            activation_bytes=self.runner.profile_activation_bytes(cfg.scheduler.max_num_batched_tokens),
-            overhead_bytes=0, kv_bytes_per_token=self.runner.kv_bytes_per_token(),
-            block_size=cfg.cache.block_size, max_model_len=cfg.model.max_model_len,
-            max_num_seqs=cfg.scheduler.max_num_seqs, kv_cache_memory_bytes=cfg.cache.kv_cache_memory_bytes,
-            num_blocks_override=cfg.cache.num_gpu_blocks_override,
-        )
+    def _plan_memory(self, config: EngineConfig, at_start: DeviceMemory) -> MemoryPlan:
+        """The plan from measured numbers: weights after load, overhead, a profiled activation peak."""
+        settings = settings_from(config)
+        if config.model.max_model_len_auto:
+            settings = replace(settings, max_model_len=None)
+        device = self.runner.device
+        weights = self.runner.weight_bytes
+        overhead = runtime_overhead_bytes(device, weights, at_start.used_by_others_bytes)
+        sized_by_user = config.cache.kv_cache_memory_bytes is not None or config.cache.num_gpu_blocks_override
+        activation, source = None, "measured"
+        if not sized_by_user:
+            activation = self.runner.profile_run(settings.max_num_batched_tokens, settings.max_num_seqs,
+                                                 config.model.max_model_len)
+        if activation is None:
+            source = "estimated (KV cache sized by the user)" if sized_by_user else "estimated"
+            activation = estimate_activation_bytes(config.model.hf_config, settings.dtype,
+                                                   settings.max_num_batched_tokens, settings.max_num_seqs)
+        facts = measured_model_facts(config.model.hf_config, config.model.model_max_len, settings, weights,
+                                     activation, overhead, source)
+        return MemoryPlan(settings, device_facts(at_start), facts)
+
+    @staticmethod
+    def _with_max_model_len(config: EngineConfig, max_model_len: int) -> EngineConfig:
+        return replace(config, model=replace(config.model, max_model_len=max_model_len),
+                       scheduler=replace(config.scheduler, max_model_len=max_model_len))
 
     def _eos_token_ids(self) -> set[int]:
         ids = generation_eos_ids(self.config.model.path)

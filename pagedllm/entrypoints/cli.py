@@ -58,6 +58,25 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(ns: argparse.Namespace) -> int:
+    import json
+
+    from pagedllm.memory.dry_run import dry_run_plan
+
+    if ns.model_pos is not None:
+        ns.model = ns.model_pos
+    plan = dry_run_plan(engine_args_from(ns), device=ns.device, device_memory=ns.device_memory,
+                        device_memory_used=ns.device_memory_used, unified=ns.unified_memory,
+                        tensor_parallel_size=ns.tensor_parallel_size)
+    if ns.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        verdict = "fits" if plan.fits else "does NOT fit"
+        print(f"memory plan for {ns.model or 'the demo model'}: {verdict}")
+        print(plan.table())
+    return 0 if plan.fits else 1
+
+
 def _cmd_bench(ns: argparse.Namespace) -> int:
     if ns.kind == "throughput":
         from pagedllm.bench.throughput import main as throughput_main
@@ -86,6 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
+    plan = sub.add_parser("plan", help="dry-run memory plan: what fits, before loading any weight")
+    plan.add_argument("model_pos", nargs="?", metavar="MODEL",
+                      help="model folder, config.json, hub name in the local cache, or a preset: "
+                           "llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-0.5b, qwen2.5-7b, qwen3-0.6b, "
+                           "mistral-7b-v0.3")
+    plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--device-memory", default=None, help="total device memory, e.g. 128GiB, 119.7GB")
+    plan.add_argument("--device-memory-used", default=None,
+                      help="memory already held by other processes and the OS (default 0 with --device-memory)")
+    plan.add_argument("--unified-memory", action="store_true", help="the device shares memory with the CPU")
+    plan.add_argument("--tensor-parallel-size", type=int, default=1,
+                      help="plan per rank for N-way tensor parallelism (planning only: the engine runs tp=1)")
+    add_engine_args(plan)
+    plan.set_defaults(func=_cmd_plan)
+
     bench = sub.add_parser("bench", help="benchmarks (throughput)", add_help=False)
     bench.add_argument("kind", choices=["throughput"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
@@ -99,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -17,6 +17,9 @@ def resolve_model_path(model: str, revision: str | None = None, allow_download: 
     Downloading from the hub happens only when allowed (not when HF_HUB_OFFLINE is set).
     """
     path = Path(model).expanduser()
+    preset = preset_config(model)
+    if preset is not None and not path.exists():
+        return preset
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"model folder {path} has no config.json")
@@ -44,6 +47,20 @@ def resolve_model_path(model: str, revision: str | None = None, allow_download: 
             model, revision=revision, cache_dir=cache_dir,
             allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
         ))
+
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "model_configs"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
+
+
+def preset_config(name: str) -> Path | None:
+    """config.json shapes of common models shipped with pagedllm ("llama-3.2-3b", "Qwen/Qwen2.5-0.5B")."""
+    stem = name.rsplit("/", 1)[-1].lower().removesuffix("-instruct")
+    path = PRESETS_DIR / f"{stem}.json"
+    return path if path.is_file() else None
 
 
 def hub_cache_dir() -> str:

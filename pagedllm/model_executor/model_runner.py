@@ -6,10 +6,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.memory.profiler import measure_peak_bytes
 from pagedllm.model_executor.attention import build_attention_metadata, forward_context
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.sampler import SampledRow, Sampler
+from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -46,10 +49,6 @@ class ModelRunner:
                 seen.add(p.data_ptr())
                 total += p.numel() * p.element_size()
         return total
-
-    def kv_bytes_per_token(self) -> int:
-        m = self.config.model
-        return 2 * m.num_layers * m.num_kv_heads * m.head_dim * m.dtype.itemsize
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor for every layer's K and V; each attention layer gets views of its slice."""
@@ -107,10 +106,36 @@ class ModelRunner:
                                    top_ids.long().tolist(), top_lp.tolist())
 
     @torch.inference_mode()
-    def profile_activation_bytes(self, num_tokens: int) -> int:
-        """Peak activation memory of one forward of `num_tokens` (measured on CUDA, estimated on CPU)."""
-        cfg = self.config.model.hf_config
-        itemsize = self.config.model.dtype.itemsize
-        per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size) * itemsize
-        logits_rows = min(num_tokens, self.config.scheduler.max_num_seqs)
-        return num_tokens * per_token + logits_rows * cfg.vocab_size * 4 * 2
+    def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int | None:
+        """Measure the activation peak of the heaviest step: `num_tokens` prompt tokens in one forward,
+        then logits and sampling for up to `max_num_seqs` rows. None where it can't be measured."""
+        lengths, left = [], num_tokens
+        while left > 0 and len(lengths) < max_num_seqs:
+            lengths.append(min(left, max_model_len))
+            left -= lengths[-1]
+        tables, next_block = [], 0
+        for n in lengths:
+            count = -(-n // self.block_size)
+            tables.append(list(range(next_block, next_block + count)))
+            next_block += count
+        self.allocate_kv_cache(next_block)  # scratch cache, outside the measurement
+        rows = min(max_num_seqs, sum(lengths))
+        fake = [Request(f"profile-{i}", [0], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1), set(), 2)
+                for i in range(rows)]
+        ids = torch.randint(0, self.config.model.vocab_size, (sum(lengths),), device=self.device)
+
+        def step() -> None:
+            meta = build_attention_metadata([0] * len(lengths), lengths, tables, self.block_size, self.device)
+            with forward_context(meta):
+                hidden = self.model(ids, meta.positions)
+            self.sampler(self.model.compute_logits(hidden[:rows]), fake)
+
+        try:
+            return measure_peak_bytes(step, self.device)
+        finally:
+            self.release_kv_cache()
+
+    def release_kv_cache(self) -> None:
+        self.kv_cache = None
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = None

@@ -1,0 +1,49 @@
+"""`pagedllm plan`: the memory plan from config.json and safetensors headers, loading no weight."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from pagedllm.engine.arg_utils import EngineArgs, parse_size
+from pagedllm.memory.device import DeviceMemory, device_memory
+from pagedllm.memory.facts import device_facts, dry_run_model_facts, settings_from
+from pagedllm.memory.plan import MemoryPlan
+from pagedllm.model_executor.model_files import resolve_model_path, weight_files
+
+
+def dry_run_plan(args: EngineArgs, device: str = "auto", device_memory: str | None = None,
+                 device_memory_used: str | None = None, unified: bool = False,
+                 tensor_parallel_size: int = 1) -> MemoryPlan:
+    if tensor_parallel_size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}.")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_memory is not None:
+        total = parse_size(device_memory)
+        used = parse_size(device_memory_used) if device_memory_used is not None else 0
+        if total <= 0:
+            raise ValueError(f"--device-memory must be > 0, got {device_memory!r}.")
+        if not 0 <= used <= total:
+            raise ValueError(f"--device-memory-used must be between 0 and --device-memory ({device_memory}), "
+                             f"got {device_memory_used!r}.")
+        facts = device_facts(DeviceMemory(device, total, used, unified, ""), source="given")
+    else:
+        if device_memory_used is not None:
+            raise ValueError("--device-memory-used needs --device-memory (the total it is part of).")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("there is no CUDA device here to measure: pass --device-memory SIZE "
+                             "(and --device-memory-used SIZE) to plan for one.")
+        mem = device_memory(device)
+        facts = device_facts(replace(mem, unified=mem.unified or unified))
+
+    args = replace(args, device=device)
+    if args.model is not None and resolve_model_path(args.model, args.revision).is_file():
+        args.load_format = "dummy"  # a bare config: weights sized from its shapes
+    config = args.create_engine_config()
+    settings = settings_from(config)
+    settings = replace(settings, tensor_parallel_size=tensor_parallel_size,
+                       max_model_len=None if config.model.max_model_len_auto else settings.max_model_len)
+    files = weight_files(config.model.path) if config.model.load_format != "dummy" else []
+    model = dry_run_model_facts(config.model.hf_config, files, config.model.model_max_len, device)
+    return MemoryPlan(settings, facts, model)

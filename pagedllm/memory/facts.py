@@ -1,0 +1,88 @@
+"""The inputs of a memory plan: read from files for a dry run, or measured by a running engine."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pagedllm.memory.device import DeviceMemory
+from pagedllm.memory.model_size import (
+    estimate_activation_bytes,
+    kv_bytes_per_token,
+    num_params_from_config,
+    weight_bytes_from_headers,
+)
+from pagedllm.memory.plan import GiB, MiB, DeviceFacts, ModelFacts, PlanSettings
+
+# Runtime overhead a dry run assumes: the CUDA context and library workspaces on a GPU; the
+# Python interpreter, torch and tokenizer on a CPU. The engine measures its own.
+ESTIMATED_OVERHEAD = {"cuda": 1 * GiB, "cpu": 512 * MiB}
+
+
+def device_facts(mem: DeviceMemory, source: str = "measured") -> DeviceFacts:
+    return DeviceFacts(mem.device, mem.total_bytes, mem.used_by_others_bytes, mem.unified, mem.name, source)
+
+
+def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int, device: str) -> ModelFacts:
+    """Weights from safetensors headers (exact) or config shapes; activations and overhead estimated."""
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    if weight_files:
+        def weights(s: PlanSettings) -> int:
+            return weight_bytes_from_headers(weight_files, s.dtype, tied) // s.tensor_parallel_size
+        weights_source = "safetensors headers"
+    else:
+        params = num_params_from_config(hf_config)
+
+        def weights(s: PlanSettings) -> int:
+            return params * s.dtype.itemsize // s.tensor_parallel_size
+        weights_source = "config shapes"
+    return ModelFacts(
+        model_max_len=model_max_len,
+        weight_bytes=weights,
+        activation_bytes=lambda s: estimate_activation_bytes(hf_config, s.dtype, s.max_num_batched_tokens,
+                                                             s.max_num_seqs, s.tensor_parallel_size),
+        overhead_bytes=lambda s: ESTIMATED_OVERHEAD.get(device, 512 * MiB),
+        kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.dtype, s.tensor_parallel_size),
+        weights_source=weights_source,
+    )
+
+
+def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSettings, weight_bytes: int,
+                         activation_bytes: int, overhead_bytes: int, activation_source: str = "measured"
+                         ) -> ModelFacts:
+    """Numbers the engine measured at `measured_at`; other settings (a lever being tried) scale them
+    by the ratio of the estimates, so fixes stay consistent with what was measured."""
+
+    def weights(s: PlanSettings) -> int:
+        return weight_bytes * s.dtype.itemsize // measured_at.dtype.itemsize
+
+    def activations(s: PlanSettings) -> int:
+        if (s.dtype, s.max_num_batched_tokens, s.max_num_seqs) == (
+                measured_at.dtype, measured_at.max_num_batched_tokens, measured_at.max_num_seqs):
+            return activation_bytes
+
+        def est(x: PlanSettings) -> int:
+            return estimate_activation_bytes(hf_config, x.dtype, x.max_num_batched_tokens, x.max_num_seqs)
+        return int(activation_bytes * est(s) / max(est(measured_at), 1))
+
+    return ModelFacts(
+        model_max_len=model_max_len,
+        weight_bytes=weights,
+        activation_bytes=activations,
+        overhead_bytes=lambda s: overhead_bytes,
+        kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.dtype, s.tensor_parallel_size),
+        weights_source="measured",
+        activation_source=activation_source,
+        overhead_source="measured",
+    )
+
+
+def settings_from(engine_config) -> PlanSettings:
+    c = engine_config
+    return PlanSettings(
+        dtype=c.model.dtype, max_model_len=c.model.max_model_len,
+        gpu_memory_utilization=c.cache.gpu_memory_utilization, block_size=c.cache.block_size,
+        max_num_seqs=c.scheduler.max_num_seqs, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+        kv_cache_memory_bytes=c.cache.kv_cache_memory_bytes,
+        num_gpu_blocks_override=c.cache.num_gpu_blocks_override,
+    )

@@ -1,0 +1,94 @@
+"""Sizes read from files alone: weight bytes (safetensors headers or config shapes), KV bytes per
+token, and an activation estimate for dry-run plans. Nothing here loads a weight."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import torch
+
+_SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+                         "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file (8-byte little-endian length, then JSON)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _skipped(name: str, tied: bool) -> bool:
+    """Checkpoint tensors the engine does not keep in memory."""
+    return "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight")
+
+
+def weight_bytes_from_headers(files: list[Path], dtype: torch.dtype, tied: bool) -> int:
+    """Exact bytes the weights take once loaded in `dtype` (floating tensors are cast to it)."""
+    total = 0
+    for f in files:
+        for name, info in safetensors_header(f).items():
+            if _skipped(name, tied):
+                continue
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            is_float = info["dtype"] in ("F64", "F32", "F16", "BF16")
+            total += numel * (dtype.itemsize if is_float else _SAFETENSORS_ITEMSIZE[info["dtype"]])
+    return total
+
+
+def _head_dim(cfg) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def num_params_from_config(cfg) -> int:
+    """Parameter count of a Llama-family model from its config (what our implementation allocates)."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    d = _head_dim(cfg)
+    model_type = getattr(cfg, "model_type", "")
+    attention_bias = getattr(cfg, "attention_bias", False)
+    qkv_bias = True if model_type == "qwen2" else attention_bias
+    o_bias = False if model_type == "qwen2" else attention_bias
+    mlp_bias = getattr(cfg, "mlp_bias", False)
+    qkv = h * (heads + 2 * kv_heads) * d + (heads + 2 * kv_heads) * d * qkv_bias
+    o = heads * d * h + h * o_bias
+    mlp = 3 * h * i + (2 * i + h) * mlp_bias
+    norms = 2 * h + (2 * d if model_type == "qwen3" else 0)
+    layer = qkv + o + mlp + norms
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    return v * h + cfg.num_hidden_layers * layer + h + (0 if tied else v * h)
+
+
+def kv_bytes_per_token(cfg, kv_dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+    """2 (K and V) x layers x kv heads x head_dim x dtype size, per tensor-parallel rank.
+
+    KV heads are split across ranks; with fewer KV heads than ranks each rank keeps a replica.
+    """
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    per_rank = max(1, -(-kv_heads // tensor_parallel_size))
+    return 2 * cfg.num_hidden_layers * per_rank * _head_dim(cfg) * kv_dtype.itemsize
+
+
+def estimate_activation_bytes(cfg, dtype: torch.dtype, num_tokens: int, max_num_seqs: int,
+                              tensor_parallel_size: int = 1) -> int:
+    """Peak transient memory of one forward of `num_tokens` tokens plus sampling, from shapes.
+
+    The live set at the peak of a layer: residual, normed input, q/k/v, attention output, the
+    gate/up projection and its product; then logits (model dtype and float32), probabilities and
+    the float64 CDF the sampler builds for each sampled row. Used for dry runs; the engine measures.
+    """
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    d = _head_dim(cfg)
+    tp = tensor_parallel_size
+    per_token = (3 * h + 2 * (heads + 2 * kv_heads) * d // tp + 3 * i // tp) * dtype.itemsize
+    rows = min(num_tokens, max_num_seqs)
+    sampling = rows * v * (dtype.itemsize + 4 + 4 + 8)
+    return num_tokens * per_token + sampling
