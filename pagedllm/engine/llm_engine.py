@@ -73,6 +73,7 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self._ids = itertools.count()
+        self.last_step_num_requests = 0
 
     # -- set-up -----------------------------------------------------------------------------
     def _plan_memory(self, config: EngineConfig, at_start: DeviceMemory) -> MemoryPlan:
@@ -130,6 +131,18 @@ class LLMEngine:
             return None, list(prompt)
         raise InvalidPromptError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
+                            add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """Render a conversation with the model's (or the given) chat template -> (text, token ids)."""
+        if self.tokenizer is None:
+            raise InvalidPromptError("chat needs a tokenizer with a chat template; this model has no tokenizer")
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidPromptError("this model's tokenizer has no chat template; pass one (--chat-template)")
+        text = self.tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
+        # The template already holds the special tokens (BOS): don't add them twice.
+        return text, self.tokenizer.encode(text, add_special_tokens=False)
+
     def _validate_prompt(self, ids: list[int]) -> None:
         max_len = self.config.model.max_model_len
         if not ids:
@@ -144,13 +157,21 @@ class LLMEngine:
             raise InvalidPromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    stream: bool = False) -> str:
+                    stream: bool = False, strict_length: bool = False) -> str:
+        """Queue a prompt. With `strict_length`, prompt + max_tokens over max_model_len is an error
+        (the server's rule) instead of generation ending at max_model_len (the offline rule)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         self._validate_prompt(ids)
+        max_len = self.config.model.max_model_len
+        if strict_length and params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
+            raise InvalidPromptError(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} for the "
+                f"completion). Reduce the prompt or max_tokens to at most {max_len - len(ids)}.")
         bad_stop = [t for t in params.stop_token_ids if t >= self.config.model.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {self.config.model.vocab_size})")
@@ -188,6 +209,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step. Returns outputs of groups that finished (or changed, when streaming)."""
         plan = self.scheduler.schedule()
+        self.last_step_num_requests = len(plan.scheduled)
         if plan.is_empty:
             return []
         result = self.runner.execute(plan)
@@ -270,8 +292,12 @@ class LLMEngine:
                 finish_reason=FINISH_REASONS.get(req.status),
                 stop_reason=req.stop_reason,
             ))
+        reqs = [seq.request for seq in group.sequences]
+        scheduled = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
+        metrics = {"arrival_time": min(r.arrival_time for r in reqs),
+                   "first_scheduled_time": min(scheduled) if scheduled else None}
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                             group.prompt_logprobs, outs, group.finished)
+                             group.prompt_logprobs, outs, group.finished, metrics)
 
     def check_integrity(self) -> None:
         self.kv_cache.check_integrity()

@@ -60,6 +60,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
         # Generation may not run past the context window.
         max_tokens = sampling_params.max_tokens
         room = max_model_len - self.num_prompt_tokens

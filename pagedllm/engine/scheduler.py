@@ -6,6 +6,7 @@ after preemption are one mechanism.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -98,6 +99,8 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(req, n):
                 break
             self.waiting.popleft()
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.block_table(req.request_id)))

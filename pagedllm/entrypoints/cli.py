@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
+    from pagedllm.entrypoints.openai.api_server import add_server_args
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible API server")
+    serve.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (default: the built-in demo model)")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
     plan = sub.add_parser("plan", help="dry-run memory plan: what fits, before loading any weight")
     plan.add_argument("model_pos", nargs="?", metavar="MODEL",
                       help="model folder, config.json, hub name in the local cache, or a preset: "
@@ -127,15 +135,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+def run_command(func, ns: argparse.Namespace) -> int:
+    """Run a subcommand; bad input (ValueError, missing files) is one line on stderr and exit code 2."""
     logging.basicConfig(level=ns.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        return ns.func(ns)
+        return func(ns)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    if ns.model_pos is not None:
+        ns.model = ns.model_pos
+    return run_server(ns)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    return run_command(ns.func, ns)
 
 
 if __name__ == "__main__":

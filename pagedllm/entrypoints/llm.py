@@ -75,16 +75,11 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer with a chat template; this model has no tokenizer")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            text = tokenizer.apply_chat_template(conv, chat_template=chat_template, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
-            # The template already holds the special tokens (BOS): don't add them twice.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            text, ids = self.llm_engine.apply_chat_template(conv, chat_template, add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:

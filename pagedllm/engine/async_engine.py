@@ -1,0 +1,150 @@
+"""AsyncLLMEngine: the server's engine. One background thread owns the LLMEngine and steps it;
+requests arrive from the event loop at any time and join the running batch; each gets a stream.
+
+All engine state is touched only by that thread (commands reach it through a queue), so the
+engine itself needs no locks, and torch work never blocks the event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped after an internal error; the server answers 503."""
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, step_listener=None) -> None:
+        self.engine = engine
+        self.step_listener = step_listener  # called on the engine thread after every step
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopped = threading.Event()
+        self.errored: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.errored is None
+
+    # -- called from the event loop ----------------------------------------------------------
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          strict_length: bool = False) -> AsyncIterator[RequestOutput]:
+        """Submit a request and return the stream of its outputs (cumulative, one per step).
+
+        Invalid input raises here, before anything is queued. Leaving the stream early (a client
+        disconnect) aborts the request; its blocks are freed before the next step. A stream that is
+        never iterated must be aborted by the caller.
+        """
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        stream = _Stream(asyncio.get_running_loop())
+        future: Future = Future()
+        self._commands.put(("add", request_id, prompt, params, strict_length, stream, future))
+        await asyncio.wrap_future(future)  # raises the validation error, if any
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def call(self, fn):
+        """Run fn(engine) on the engine thread; returns a future of its result (for consistent reads)."""
+        future: Future = Future()
+        self._commands.put(("call", fn, future))
+        return asyncio.wrap_future(future)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout=30)
+
+    # -- the engine thread -------------------------------------------------------------------
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, request_id, prompt, params, strict_length, stream, future = cmd
+            try:
+                self.engine.add_request(request_id, prompt, params, stream=True, strict_length=strict_length)
+            except Exception as e:  # bad input: back to the caller, the engine is untouched
+                future.set_exception(e)
+                return
+            self._streams[request_id] = stream
+            future.set_result(None)
+        elif kind == "abort":
+            self.engine.abort_request(cmd[1])
+            self._streams.pop(cmd[1], None)
+        elif kind == "call":
+            _, fn, future = cmd
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as e:
+                future.set_exception(e)
+
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                block = not self.engine.has_unfinished_requests()
+                cmd = self._commands.get(block=block, timeout=None) if block else self._commands.get_nowait()
+                self._handle(cmd)
+                while True:  # everything that arrived before this step joins it
+                    self._handle(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            if not self.engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug, not bad input: fail what is running, stop serving
+                logger.exception("engine step failed")
+                self.errored = e
+                for stream in self._streams.values():
+                    stream.put(EngineDeadError(f"engine step failed: {e}"))
+                self._streams.clear()
+                return
+            now = time.monotonic()
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+                if out.finished:
+                    self._streams.pop(out.request_id, None)
+            if self.step_listener is not None:
+                self.step_listener(self.engine, outputs, now)

@@ -1,0 +1,287 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn).
+
+    python -m pagedllm.entrypoints.openai.api_server --model M [vLLM flags]
+    pagedllm serve [M] [vLLM flags]
+"""
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import pagedllm
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.serving import ServingContext, create_chat_completion, create_completion
+from pagedllm.metrics import EngineMetrics
+
+logger = logging.getLogger("pagedllm.server")
+
+
+def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | None = None,
+              chat_template: str | None = None, metrics: EngineMetrics | None = None) -> FastAPI:
+    llm_engine = engine.engine
+    ctx = ServingContext(engine, served_names, llm_engine.config.model.max_model_len, chat_template)
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    created = int(time.time())
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.")
+
+    def serving() -> None:
+        if not engine.is_running:
+            raise APIError(503, "The engine is not serving (it stopped after an internal error).")
+
+    v1 = [Depends(check_api_key), Depends(serving)]
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return error_response(e.status, e.message, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, e: RequestValidationError):
+        parts, param = [], None
+        for err in e.errors():
+            if err.get("type") == "json_invalid":
+                where = err.get("loc", ("body", "?"))[-1]
+                detail = (err.get("ctx") or {}).get("error", "malformed JSON")
+                return error_response(400, f"Invalid JSON in the request body at character {where}: {detail}")
+            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            param = param or (".".join(loc) or None)
+            got = err.get("input")
+            shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} (got {shown[:80]})")
+        return error_response(400, "Invalid request: " + "; ".join(parts[:5]), param)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_, e: EngineDeadError):
+        return error_response(503, str(e))
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_, e: ValueError):
+        return error_response(400, str(e), param_of(str(e)))
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return error_response(503, "engine not running")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics")
+    async def metrics_endpoint():
+        body = generate_latest(metrics.registry) if metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=v1)
+    async def models():
+        cards = [{"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
+                  "root": str(llm_engine.config.model.path), "parent": None,
+                  "max_model_len": llm_engine.config.model.max_model_len} for name in served_names]
+        return {"object": "list", "data": cards}
+
+    async def respond(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    @app.post("/v1/completions", dependencies=v1)
+    async def completions(body: CompletionRequest, raw: Request):
+        return await respond(await create_completion(ctx, body, raw))
+
+    @app.post("/v1/chat/completions", dependencies=v1)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await respond(await create_chat_completion(ctx, body, raw))
+
+    def _need_tokenizer(e):
+        if e.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer")
+        return e.tokenizer
+
+    @app.post("/tokenize", dependencies=[Depends(serving)])
+    async def tokenize(body: TokenizeRequest):
+        ctx.model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
+        if body.messages is not None:
+            msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str) else ""}
+                    for m in body.messages]
+            _, ids = await engine.call(lambda e: e.apply_chat_template(msgs, chat_template,
+                                                                       body.add_generation_prompt))
+        else:
+            ids = await engine.call(lambda e: _need_tokenizer(e).encode(
+                body.prompt, add_special_tokens=body.add_special_tokens))
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(serving)])
+    async def detokenize(body: DetokenizeRequest):
+        ctx.model_name(body.model)
+        vocab = llm_engine.config.model.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        text = await engine.call(lambda e: _need_tokenizer(e).decode(body.tokens))
+        return {"prompt": text}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        def info(e):
+            tok = e.tokenizer
+            if tok is None:
+                return {"tokenizer": None}
+            return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token,
+                    "eos_token_id": tok.eos_token_id, "bos_token": tok.bos_token,
+                    "bos_token_id": tok.bos_token_id, "pad_token": tok.pad_token, "pad_token_id": tok.pad_token_id,
+                    "chat_template": chat_template or getattr(tok, "chat_template", None),
+                    "model_max_length": ctx.max_model_len, "vocab_size": e.config.model.vocab_size}
+        return await engine.call(info)
+
+    @app.get("/v1/memory", dependencies=v1)
+    async def memory():
+        def snapshot(e):
+            pool = e.kv_cache.pool
+            running = {r.request_id: r for r in e.scheduler.running}
+            return e.memory_plan.to_json() | {
+                "kv_cache_usage": {"block_size": e.kv_cache.block_size, "blocks_total": pool.num_blocks,
+                                   "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
+                                   "usage": pool.usage},
+                "requests": [{"request_id": rid, "blocks": len(table),
+                              "computed_tokens": running[rid].num_computed_tokens if rid in running else 0}
+                             for rid, table in e.kv_cache.block_tables.items()],
+                "num_waiting": len(e.scheduler.waiting),
+                "num_preemptions": e.scheduler.num_preemptions,
+            }
+        return await engine.call(snapshot)
+
+    return app
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+# vLLM flags pagedllm does not implement yet, with the value at which they change nothing.
+# Anything else is refused at start-up: a flag is never accepted and silently ignored.
+UNIMPLEMENTED_FLAGS = {
+    "--swap-space": None, "--limit-mm-per-prompt": None, "--disable-mm-preprocessor-cache": False,
+    "--mm-processor-cache-gb": None, "--audio-tokenizer-type": None, "--audio-tokenizer-path": None,
+    "--voice-presets-dir": None, "--tensor-parallel-size": 1, "--pipeline-parallel-size": 1,
+    "--quantization": None, "--kv-cache-dtype": "auto", "--cpu-offload-gb": 0.0,
+    "--enable-prefix-caching": False, "--preemption-mode": None, "--enable-lora": False,
+    "--speculative-config": None, "--enable-chunked-prefill": None,
+}
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", nargs="+", default=None)
+    g.add_argument("--api-key", default=None, help="also read from PAGEDLLM_API_KEY")
+    g.add_argument("--chat-template", default=None, help="a jinja template or a file holding one")
+    g.add_argument("--disable-log-requests", action="store_true")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    u = parser.add_argument_group("vLLM flags not implemented yet (refused unless at their neutral value)")
+    for flag, neutral in UNIMPLEMENTED_FLAGS.items():
+        if isinstance(neutral, bool):
+            u.add_argument(flag, action="store_true", default=neutral)
+        elif isinstance(neutral, int) and not isinstance(neutral, bool):
+            u.add_argument(flag, type=int, default=neutral)
+        elif isinstance(neutral, float):
+            u.add_argument(flag, type=float, default=neutral)
+        else:
+            u.add_argument(flag, default=neutral)
+    u.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted: pagedllm runs only its own model code, never a checkpoint's")
+
+
+def refuse_unimplemented(ns: argparse.Namespace) -> None:
+    for flag, neutral in UNIMPLEMENTED_FLAGS.items():
+        value = getattr(ns, flag.lstrip("-").replace("-", "_"))
+        if value != neutral:
+            raise ValueError(
+                f"{flag} {'' if isinstance(value, bool) else value} is a vLLM flag that pagedllm does not "
+                f"implement yet, and pagedllm never accepts a flag it would ignore. Remove {flag} to start."
+                .replace("  ", " "))
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if len(value) < 4096 and path.is_file():
+        return path.read_text()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a jinja template")
+    return value
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.cli import engine_args_from
+    from pagedllm.entrypoints.llm import load_tokenizer
+
+    refuse_unimplemented(ns)
+    chat_template = _read_chat_template(ns.chat_template)
+    api_key = ns.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    config = engine_args_from(ns).create_engine_config()
+    tokenizer = load_tokenizer(config.model.tokenizer) if config.model.tokenizer else None
+    llm_engine = LLMEngine(config, tokenizer)
+    names = ns.served_model_name or [ns.model or "pagedllm-demo"]
+    metrics = EngineMetrics(names[0])
+    engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step)
+    app = build_app(engine, names, api_key, chat_template, metrics)
+    logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
+                llm_engine.config.model.max_model_len)
+    try:
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                    access_log=not ns.disable_log_requests)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.entrypoints.cli import add_engine_args
+
+    parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.api_server")
+    parser.add_argument("--log-level", default="INFO")
+    add_engine_args(parser)
+    add_server_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedllm.entrypoints.cli import run_command
+
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    return run_command(run_server, ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

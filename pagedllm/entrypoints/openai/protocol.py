@@ -1,0 +1,140 @@
+"""OpenAI API request bodies (with vLLM's extra sampling fields) as pydantic models.
+
+Unknown fields are rejected (400) rather than silently ignored; fields OpenAI defines that we do
+not implement are accepted only at their neutral value.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(param, why) for OpenAI fields set to values we don't implement."""
+        out = []
+        if self.logit_bias:
+            out.append(("logit_bias", "logit_bias is not supported"))
+        return out
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int
+                           ) -> SamplingParams:
+        temperature = 1.0 if self.temperature is None else self.temperature
+        return SamplingParams(
+            n=self.n, temperature=temperature, top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens, min_tokens=self.min_tokens,
+            logprobs=logprobs, prompt_logprobs=self.prompt_logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.best_of is not None and self.best_of != self.n:
+            out.append(("best_of", f"best_of must equal n ({self.n}) or be omitted; got {self.best_of}"))
+        if self.suffix:
+            out.append(("suffix", "suffix is not supported"))
+        return out
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    echo: bool = False
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.response_format is not None and self.response_format.type != "text":
+            out.append(("response_format", f"response_format type {self.response_format.type!r} is not "
+                                           f"supported (only 'text')"))
+        if self.tools:
+            out.append(("tools", "tool calling is not supported"))
+        if self.tool_choice not in (None, "none", "auto"):
+            out.append(("tool_choice", "tool calling is not supported"))
+        if self.top_logprobs is not None and not self.logprobs:
+            out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
+        return out
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,336 @@
+"""Completions and chat completions: requests -> engine streams -> OpenAI responses and SSE chunks."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.entrypoints.openai.errors import APIError, error_body, param_of
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.errors import InvalidPromptError
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncLLMEngine
+    served_names: list[str]
+    max_model_len: int
+    chat_template: str | None = None
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None or requested == "":
+            return self.served_names[0]
+        if requested not in self.served_names:
+            raise APIError(404, f"The model `{requested}` does not exist. Served: {', '.join(self.served_names)}.",
+                           "model")
+        return requested
+
+
+def _sampling_params(req, max_tokens: int | None, logprobs: int | None, default_max_tokens) -> SamplingParams:
+    for param, why in req.unsupported():
+        raise APIError(400, why, param)
+    try:
+        return req.to_sampling_params(max_tokens, logprobs, default_max_tokens)
+    except ValueError as e:
+        raise APIError(400, str(e), param_of(str(e))) from None
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _TextCursor:
+    """What of a sample's text and tokens was already sent. Text that could still turn out to be
+    the start of a stop string is held back until the sample finishes."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.text = 0
+        self.tokens = 0
+
+    def advance(self, c: CompletionOutput) -> tuple[str, int, int]:
+        end = len(c.text) if c.finished() else max(self.text, len(c.text) - self.hold)
+        delta, self.text = c.text[self.text:end], end
+        first_token, self.tokens = self.tokens, len(c.token_ids)
+        return delta, first_token, self.tokens
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave the outputs of several prompts' streams as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, done))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _until_disconnect(raw: Request) -> None:
+    """Returns when the client goes away (the body was already read, so the next message says so)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _collect(streams: list[AsyncIterator[RequestOutput]], raw: Request) -> list[RequestOutput]:
+    """Final outputs of every prompt; a client disconnect cancels (and so aborts) them all."""
+    async def final(stream):
+        last = None
+        async for out in stream:
+            last = out
+        return last
+
+    work = asyncio.ensure_future(asyncio.gather(*(final(s) for s in streams)))
+    watcher = asyncio.ensure_future(_until_disconnect(raw))
+    try:
+        await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not work.done():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise APIError(499, "client disconnected")
+    return work.result()
+
+
+async def _start(ctx: ServingContext, prefix: str, prompts: list, params: SamplingParams
+                 ) -> list[AsyncIterator[RequestOutput]]:
+    """Submit every prompt; the first invalid one aborts those already submitted and raises 400."""
+    base = f"{prefix}-{uuid.uuid4().hex}"
+    ids, streams = [], []
+    try:
+        for i, prompt in enumerate(prompts):
+            ids.append(f"{base}-{i}")
+            streams.append(await ctx.engine.add_request(ids[-1], prompt, params, strict_length=True))
+    except ValueError as e:  # InvalidPromptError and other bad input
+        for rid in ids:
+            ctx.engine.abort(rid)
+        param = "prompt" if isinstance(e, InvalidPromptError) else param_of(str(e))
+        raise APIError(400, str(e), param) from None
+    return streams
+
+
+def _completion_prompts(prompt) -> list:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", "prompt")
+    if all(isinstance(t, int) for t in prompt):
+        return [{"prompt_token_ids": prompt}]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    return [{"prompt_token_ids": p} for p in prompt]
+
+
+def _completion_logprobs(entries, first_offset: int = 0) -> dict:
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = first_offset
+    for k, (token_id, entry) in enumerate(entries):
+        if entry is None:  # the first prompt token has no logprob
+            tokens.append(None)
+            token_lps.append(None)
+            tops.append(None)
+            offsets.append(offset)
+            continue
+        chosen = entry[token_id]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_lps.append(chosen.logprob)
+        tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
+    completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
+    model = ctx.model_name(req.model)
+    prompts = _completion_prompts(req.prompt)
+    params = _sampling_params(req, req.max_tokens, req.logprobs, 16)
+    if req.echo and req.logprobs is not None:
+        params = params.clone(prompt_logprobs=req.logprobs)
+    streams = await _start(ctx, "cmpl", prompts, params)
+    created, rid, n = int(time.time()), f"cmpl-{uuid.uuid4().hex}", params.n
+
+    def echo_entries(out: RequestOutput):
+        ids = out.prompt_token_ids
+        return list(zip(ids, out.prompt_logprobs or [None] * len(ids)))
+
+    def prompt_text(out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return "".join(e[i].decoded_token or "" for i, e in zip(out.prompt_token_ids, out.prompt_logprobs or [])
+                       if e is not None)
+
+    if not req.stream:
+        outputs = await _collect(streams, raw)
+        choices = []
+        for i, out in enumerate(outputs):
+            for c in out.outputs:
+                text, entries = c.text, list(zip(c.token_ids, c.logprobs or []))
+                if req.echo:
+                    text = prompt_text(out) + text
+                    entries = echo_entries(out) + entries
+                logprobs = _completion_logprobs(entries) if req.logprobs is not None else None
+                choices.append({"index": i * n + c.index, "text": text, "logprobs": logprobs,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": rid, "object": "text_completion", "created": created, "model": model,
+                "choices": choices, "usage": _usage(outputs)}
+
+    async def events():
+        cursors: dict[tuple[int, int], _TextCursor] = {}
+        finals: dict[int, RequestOutput] = {}
+        try:
+            async for i, out in _merge(streams):
+                for c in out.outputs:
+                    key = (i, c.index)
+                    first = key not in cursors
+                    cur = cursors.setdefault(key, _TextCursor(params.stop))
+                    delta, t0, t1 = cur.advance(c)
+                    entries = list(zip(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1]))
+                    if first and req.echo:
+                        delta = prompt_text(out) + delta
+                        entries = echo_entries(out) + entries
+                    if not delta and not entries and not c.finished():
+                        continue
+                    logprobs = _completion_logprobs(entries) if req.logprobs is not None else None
+                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [{"index": i * n + c.index, "text": delta, "logprobs": logprobs,
+                                             "finish_reason": c.finish_reason if c.finished() else None,
+                                             "stop_reason": c.stop_reason}]})
+                if out.finished:
+                    finals[i] = out
+            if req.stream_options and req.stream_options.include_usage:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": _usage(list(finals.values()))})
+        except Exception as e:  # an error after the stream started: an error chunk, then [DONE]
+            yield _sse(error_body(500, f"generation failed: {e}"))
+        yield _sse("[DONE]")
+
+    return events()
+
+
+def _chat_logprobs(token_ids: list[int], entries, top_n: int) -> dict:
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        chosen = entry[token_id]
+
+        def item(lp):
+            text = lp.decoded_token or ""
+            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+        top = sorted(entry.values(), key=lambda lp: -lp.logprob)[:top_n]
+        content.append(item(chosen) | {"top_logprobs": [item(lp) for lp in top]})
+    return {"content": content}
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict]:
+    messages = []
+    for k, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise APIError(400, f"messages[{k}].content: part type {part.get('type')!r} is not supported "
+                                        f"(only 'text')", "messages")
+                parts.append(part.get("text", ""))
+            content = "".join(parts)
+        messages.append({"role": m.role, "content": content or ""})
+    return messages
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
+    model = ctx.model_name(req.model)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _sampling_params(req, max_tokens, logprobs, None)
+    messages = _messages(req)
+    template = req.chat_template or ctx.chat_template
+    try:
+        text, ids = await ctx.engine.call(
+            lambda e: e.apply_chat_template(messages, template, req.add_generation_prompt))
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
+    except Exception as e:  # a template that fails to render on these messages
+        raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+    streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params)
+    created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+
+    if not req.stream:
+        (out,) = await _collect(streams, raw)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": choices, "usage": _usage([out])}
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return _sse(body)
+
+    async def events():
+        cursors: dict[int, _TextCursor] = {}
+        final = None
+        try:
+            async for _, out in _merge(streams):
+                for c in out.outputs:
+                    if c.index not in cursors:
+                        cursors[c.index] = _TextCursor(params.stop)
+                        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}])
+                    delta, t0, t1 = cursors[c.index].advance(c)
+                    lp = _chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], req.top_logprobs or 0)
+                    lp = lp if req.logprobs else None
+                    if delta or (lp and lp["content"]):
+                        yield chunk([{"index": c.index, "delta": {"content": delta}, "logprobs": lp,
+                                      "finish_reason": None}])
+                    if c.finished():
+                        yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                if out.finished:
+                    final = out
+            if req.stream_options and req.stream_options.include_usage and final is not None:
+                yield chunk([], _usage([final]))
+        except Exception as e:
+            yield _sse(error_body(500, f"generation failed: {e}"))
+        yield _sse("[DONE]")
+
+    return events()
