@@ -29,9 +29,12 @@ def parse_size(value: str | int | float | None) -> int | None:
     else:
         number, factor = lower, 1
     try:
-        return int(float(number) * factor)
-    except ValueError:
+        size = int(float(number) * factor)
+    except (ValueError, OverflowError):
         raise ValueError(f"cannot read {value!r} as a memory size; use e.g. 128GiB, 119.7GB, 512MiB or bytes") from None
+    if size < 0:
+        raise ValueError(f"a memory size cannot be negative, got {value!r}")
+    return size
 
 
 @dataclass

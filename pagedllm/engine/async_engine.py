@@ -36,9 +36,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, step_listener=None) -> None:
+    def __init__(self, engine: LLMEngine, step_listener=None, abort_listener=None) -> None:
         self.engine = engine
         self.step_listener = step_listener  # called on the engine thread after every step
+        self.abort_listener = abort_listener  # called on the engine thread with an aborted request id
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stopped = threading.Event()
@@ -111,6 +112,8 @@ class AsyncLLMEngine:
         elif kind == "abort":
             self.engine.abort_request(cmd[1])
             self._streams.pop(cmd[1], None)
+            if self.abort_listener is not None:
+                self.abort_listener(cmd[1])
         elif kind == "call":
             _, fn, future = cmd
             try:

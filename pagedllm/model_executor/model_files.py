@@ -78,7 +78,10 @@ def load_hf_config(path: Path):
 
     if path.is_dir():
         return AutoConfig.from_pretrained(path)
-    raw = json.loads(path.read_text())
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
     model_type = raw.pop("model_type", None)
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{path}: unknown or missing model_type {model_type!r}")

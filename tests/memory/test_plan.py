@@ -27,9 +27,12 @@ from pagedllm.model_executor.model_files import load_hf_config, preset_config, w
 ALLOWED_FLAGS = {"--max-model-len", "--gpu-memory-utilization", "--dtype", "--max-num-batched-tokens",
                  "--kv-cache-memory", "--num-gpu-blocks-override"}
 # How a fix's flag maps onto EngineArgs (what the CLI would parse it to).
-FLAG_FIELDS = {"--max-model-len": ("max_model_len", int), "--gpu-memory-utilization": ("gpu_memory_utilization", float),
-               "--dtype": ("dtype", str), "--max-num-batched-tokens": ("max_num_batched_tokens", int),
-               "--kv-cache-memory": ("kv_cache_memory", str), "--num-gpu-blocks-override": ("num_gpu_blocks_override", int)}
+FLAG_FIELDS = {"--max-model-len": ("max_model_len", int),
+               "--gpu-memory-utilization": ("gpu_memory_utilization", float),
+               "--dtype": ("dtype", str),
+               "--max-num-batched-tokens": ("max_num_batched_tokens", int),
+               "--kv-cache-memory": ("kv_cache_memory", str),
+               "--num-gpu-blocks-override": ("num_gpu_blocks_override", int)}
 
 LLAMA_3B_PARAMS = 3_212_749_824  # 128256*3072 + 28 * 100_669_440 + 3072 (tied lm_head)
 LLAMA_3B_KV_BF16 = 2 * 28 * 8 * 128 * 2  # 114688 B/token
@@ -142,15 +145,17 @@ def test_kv_bytes_per_token_mqa_config_file(tmp_path):
     assert two.kv_bytes_per_token == 8192  # one kv head cannot be split: each rank keeps a replica
 
 
+def _cfg(kv_heads, **extra):
+    return dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=kv_heads, hidden_size=512, **extra)
+
+
 @pytest.mark.parametrize("cfg, tp, itemsize, expected", [
-    (dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, hidden_size=512), 1, 2, 2 * 4 * 8 * 64 * 2),
-    (dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=None, hidden_size=512), 1, 2, 2 * 4 * 8 * 64 * 2),
-    (dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=1, hidden_size=512), 1, 4, 2 * 4 * 1 * 64 * 4),
-    (dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=1, hidden_size=512), 2, 4, 2 * 4 * 1 * 64 * 4),
-    (dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, hidden_size=512, head_dim=96), 2, 2,
-     2 * 4 * 1 * 96 * 2),
-    (dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8, hidden_size=512, head_dim=None), 4, 2,
-     2 * 4 * 2 * 64 * 2),
+    (_cfg(8), 1, 2, 2 * 4 * 8 * 64 * 2),                        # MHA: head_dim = 512 / 8
+    (_cfg(None), 1, 2, 2 * 4 * 8 * 64 * 2),                     # no num_key_value_heads: MHA
+    (_cfg(1), 1, 4, 2 * 4 * 1 * 64 * 4),                        # MQA, float32
+    (_cfg(1), 2, 4, 2 * 4 * 1 * 64 * 4),                        # MQA, TP=2: the one head is replicated
+    (_cfg(2, head_dim=96), 2, 2, 2 * 4 * 1 * 96 * 2),           # explicit head_dim, TP=2
+    (_cfg(8, head_dim=None), 4, 2, 2 * 4 * 2 * 64 * 2),         # head_dim null falls back; TP=4
 ])
 def test_kv_bytes_per_token_by_hand(cfg, tp, itemsize, expected):
     dtype = {2: torch.bfloat16, 4: torch.float32}[itemsize]
@@ -180,6 +185,22 @@ def test_num_params_of_tiny_models_match_safetensors_and_transformers(tiny_model
     assert num_params_from_config(cfg) == numel == hf_count
     assert weight_bytes_from_headers(files, torch.float32, tied) == 4 * numel
     assert weight_bytes_from_headers(files, torch.bfloat16, tied) == 2 * numel
+
+
+def test_weight_bytes_from_headers_skips_tied_lm_head_and_rotary_buffers(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"model.embed_tokens.weight": torch.zeros(10, 4, dtype=torch.bfloat16),
+               "lm_head.weight": torch.zeros(10, 4, dtype=torch.bfloat16),
+               "model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(2),
+               "model.norm.weight": torch.zeros(4, dtype=torch.float16)}, str(tmp_path / "a.safetensors"))
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(3, 4),
+               "step": torch.zeros(5, dtype=torch.int64)}, str(tmp_path / "b.safetensors"))
+    files = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    # Floating tensors take the engine dtype; integer ones keep theirs (8 bytes x 5).
+    assert weight_bytes_from_headers(files, torch.float32, tied=False) == (40 + 40 + 4 + 12) * 4 + 40
+    assert weight_bytes_from_headers(files, torch.float32, tied=True) == (40 + 4 + 12) * 4 + 40
+    assert weight_bytes_from_headers(files, torch.bfloat16, tied=True) == (40 + 4 + 12) * 2 + 40
 
 
 # -- the blocks arithmetic, by hand ----------------------------------------------------------------
@@ -222,8 +243,8 @@ def test_float32_doubles_weights_and_kv():
 
 # -- failures, causes and fixes -----------------------------------------------------------------------
 def test_plan_failing_on_activations_suggests_the_largest_max_num_batched_tokens():
-    # Size the device so that exactly 1000 tokens/step of activations fit next to one 2048 sequence.
-    probe = preset_plan("llama-3.2-3b", max_model_len=2048, max_num_batched_tokens=1000)
+    # Size the device so that exactly 2000 tokens/step of activations fit next to one 2048 sequence.
+    probe = preset_plan("llama-3.2-3b", max_model_len=2048, max_num_batched_tokens=2000)
     total = probe.weight_bytes + probe.overhead_bytes + probe.activation_bytes + probe.seq_bytes
 
     def make(**changes):
@@ -233,10 +254,10 @@ def test_plan_failing_on_activations_suggests_the_largest_max_num_batched_tokens
     plan = make()
     assert plan.settings.max_num_batched_tokens == 2048 and not plan.fits
     assert plan.kv_budget_bytes >= 0  # weights and overhead fit: the activation peak is what overflows
-    assert make(max_num_batched_tokens=1000).fits and not make(max_num_batched_tokens=1001).fits
+    assert make(max_num_batched_tokens=2000).fits and not make(max_num_batched_tokens=2001).fits
     fixes = {f.flag: f for f in plan.fixes()}
     assert set(fixes) <= ALLOWED_FLAGS
-    assert fixes["--max-num-batched-tokens"].value == "1000"
+    assert fixes["--max-num-batched-tokens"].value == "2000"
     assert "--gpu-memory-utilization" not in fixes  # already 1.0
     for fix in fixes.values():
         assert replan_with_fix(make, fix).fits, fix
@@ -304,7 +325,8 @@ def test_too_small_kv_cache_memory_and_block_override_fixes():
     assert not few.fits and "num_gpu_blocks_override=10" in few.cause
     fixes = {f.flag: f.value for f in few.fixes()}
     assert set(fixes) <= ALLOWED_FLAGS and fixes["--num-gpu-blocks-override"] == "128"
-    assert few.with_settings(num_gpu_blocks_override=128).fits and not few.with_settings(num_gpu_blocks_override=127).fits
+    assert few.with_settings(num_gpu_blocks_override=128).fits
+    assert not few.with_settings(num_gpu_blocks_override=127).fits
 
 
 def test_negative_budget_raises_no_available_memory_with_breakdown_cause_and_fixes():
@@ -327,6 +349,17 @@ def test_negative_budget_raises_no_available_memory_with_breakdown_cause_and_fix
     assert left_row.split()[-2].startswith("-")  # the negative KV budget is shown as such
     assert "fixes (each alone makes the plan fit):" in msg
     assert f"--gpu-memory-utilization {util[0].value}: " in msg
+
+
+def test_utilization_fix_survives_float_rounding_of_the_budget():
+    # Exactly 29 GiB of 100 GiB needed, but int(100 GiB * 0.29) is a byte short of 29 GiB.
+    base = direct_plan()
+    needed_ours = base.non_kv_bytes + base.seq_bytes
+    plan = direct_plan(total=100 * GiB, used=29 * GiB - needed_ours, util=0.2)
+    assert plan.device.used_by_others_bytes + needed_ours == 29 * GiB
+    assert not plan.fits and not plan.with_settings(gpu_memory_utilization=0.29).fits
+    util = [f.value for f in plan.fixes() if f.flag == "--gpu-memory-utilization"]
+    assert util == ["0.3"] and plan.with_settings(gpu_memory_utilization=0.3).fits
 
 
 def test_nothing_fits_when_others_use_more_than_the_budget():

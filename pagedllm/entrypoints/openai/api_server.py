@@ -253,7 +253,7 @@ def run_server(ns: argparse.Namespace) -> int:
     llm_engine = LLMEngine(config, tokenizer)
     names = ns.served_model_name or [ns.model or "pagedllm-demo"]
     metrics = EngineMetrics(names[0])
-    engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step)
+    engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step, abort_listener=metrics.forget)
     app = build_app(engine, names, api_key, chat_template, metrics)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
                 llm_engine.config.model.max_model_len)
