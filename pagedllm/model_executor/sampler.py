@@ -92,8 +92,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         device = logits.device
-        temperature = torch.tensor([p.temperature if not p.greedy else 1.0 for p in params], device=device)
-        logits = logits / temperature[:, None]
+        temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
+        if any(t != 1.0 for t in temperatures):
+            logits = logits / torch.tensor(temperatures, device=device)[:, None]
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
@@ -111,9 +112,7 @@ class Sampler:
                 if r.generator is None:
                     r.generator = torch.Generator(device=device).manual_seed(r.sampling_params.seed)
                 uniform[i] = torch.rand(1, dtype=torch.float64, device=device, generator=r.generator)[0]
-        cdf = probs.double().cumsum_(dim=-1)  # float64: the tail keeps its mass over 150k entries
-        target = uniform[:, None] * cdf[:, -1:]
-        return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+        return sample_from_probs(probs, uniform)
 
     # -- logprobs -----------------------------------------------------------------------------
     @staticmethod
@@ -149,3 +148,31 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     remove[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+_CHUNK = 1024
+
+
+def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling of one token per row, given one uniform number in [0, 1) per row.
+
+    Two levels, so there is no cumulative sum (nor any large temporary) over the whole vocabulary:
+    pick a chunk of 1024 tokens by the chunks' masses, then a token inside it by a float64
+    cumulative sum of just that chunk. Never returns a token of probability zero.
+    """
+    rows, vocab = probs.shape
+    full = vocab // _CHUNK
+    sums = [probs[:, : full * _CHUNK].view(rows, full, _CHUNK).sum(-1)] if full else []
+    if vocab % _CHUNK:
+        sums.append(probs[:, full * _CHUNK:].sum(-1, keepdim=True))
+    chunk_cdf = torch.cat(sums, dim=1).double().cumsum_(-1)  # (rows, chunks)
+    total = chunk_cdf[:, -1:]
+    target = uniform[:, None] * total
+    last_chunk = (chunk_cdf < total).sum(-1, keepdim=True)  # the last chunk with any mass
+    chunk = torch.minimum(torch.searchsorted(chunk_cdf, target, right=True), last_chunk)
+    before = torch.where(chunk > 0, chunk_cdf.gather(1, (chunk - 1).clamp(min=0)), 0.0)
+    index = chunk * _CHUNK + torch.arange(_CHUNK, device=probs.device)[None, :]  # (rows, 1024)
+    inner = torch.where(index < vocab, probs.gather(1, index.clamp(max=vocab - 1)), 0.0).double().cumsum_(-1)
+    last_token = (inner < inner[:, -1:]).sum(-1, keepdim=True)  # the last token with mass in the chunk
+    token = torch.minimum(torch.searchsorted(inner, target - before, right=True), last_token)
+    return (chunk * _CHUNK + token).squeeze(1)
