@@ -21,7 +21,8 @@ class AttentionGroup:
     query_index: torch.Tensor  # (B, max_q) flat token index of each query (padding -> 0)
     dest_index: torch.Tensor  # (n_real,) flat token index of each real query
     src_index: torch.Tensor  # (n_real,) its position in the flattened (B * max_q) group output
-    kv_slots: torch.Tensor  # (B, max_kv) cache slot of each key position (padding -> slot 0)
+    block_index: torch.Tensor  # (B, blocks) the block table of each request (padding -> block 0)
+    max_kv: int  # longest key sequence in the group
     mask: torch.Tensor  # (B, 1, max_q, max_kv) True where a query may attend to a key
     is_decode: bool  # every request has exactly one query
 
@@ -30,6 +31,7 @@ class AttentionGroup:
 class AttentionMetadata:
     positions: torch.Tensor  # (num_tokens,) position of each token in its sequence
     slot_mapping: torch.Tensor  # (num_tokens,) cache slot where each new token's K/V goes
+    block_size: int
     groups: list[AttentionGroup]
 
 
@@ -65,9 +67,14 @@ class PagedAttention(nn.Module):
         self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
         self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
         out = torch.empty_like(q)
+        k_blocks = self.k_cache.view(-1, meta.block_size, self.num_kv_heads, self.head_dim)
+        v_blocks = self.v_cache.view(-1, meta.block_size, self.num_kv_heads, self.head_dim)
         for g in meta.groups:
-            kg = self.k_cache[g.kv_slots].to(q.dtype).transpose(1, 2)  # (B, kv_heads, max_kv, dim)
-            vg = self.v_cache[g.kv_slots].to(q.dtype).transpose(1, 2)
+            # Whole blocks are gathered (one contiguous copy each), then viewed as positions.
+            b = g.block_index.shape[0]
+            kg = k_blocks[g.block_index].view(b, -1, self.num_kv_heads, self.head_dim)[:, : g.max_kv]
+            vg = v_blocks[g.block_index].view(b, -1, self.num_kv_heads, self.head_dim)[:, : g.max_kv]
+            kg, vg = kg.to(q.dtype).transpose(1, 2), vg.to(q.dtype).transpose(1, 2)  # (B, kv_heads, max_kv, dim)
             if g.is_decode:
                 out[g.dest_index] = self._decode_attention(q[g.dest_index], kg, vg, g.mask)
                 continue
@@ -122,7 +129,8 @@ def build_attention_metadata(
         if len(members) == 0:
             continue
         groups.append(_build_group(members, start, lens, offsets, table, block_size, device))
-    return AttentionMetadata(positions=positions.to(device), slot_mapping=slot_mapping.to(device), groups=groups)
+    return AttentionMetadata(positions=positions.to(device), slot_mapping=slot_mapping.to(device),
+                             block_size=block_size, groups=groups)
 
 
 def _build_group(members, start, lens, offsets, table, block_size, device) -> AttentionGroup:
@@ -133,8 +141,7 @@ def _build_group(members, start, lens, offsets, table, block_size, device) -> At
     real = q_pos[None, :] < g_len[:, None]  # (B, max_q)
     query_index = torch.where(real, g_off[:, None] + q_pos[None, :], 0)
     kv_pos = torch.arange(max_kv)
-    kv_block = torch.clamp(kv_pos // block_size, max=g_table.shape[1] - 1)
-    kv_slots = g_table[:, kv_block] * block_size + kv_pos % block_size
+    num_blocks = -(-max_kv // block_size)
     # A query at absolute position p sees keys 0..p; padded query rows see key 0 (never read).
     q_abs = g_start[:, None] + q_pos[None, :]  # (B, max_q)
     mask = kv_pos[None, None, :] <= q_abs[:, :, None]
@@ -144,7 +151,8 @@ def _build_group(members, start, lens, offsets, table, block_size, device) -> At
         query_index=query_index.to(device),
         dest_index=query_index.flatten()[flat_real].to(device),
         src_index=torch.nonzero(flat_real).flatten().to(device),
-        kv_slots=kv_slots.to(device),
+        block_index=g_table[:, :num_blocks].contiguous().to(device),
+        max_kv=max_kv,
         mask=mask.unsqueeze(1).to(device),
         is_decode=max_q == 1,
     )

@@ -78,9 +78,17 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (tokens, heads, head_dim); k: (tokens, kv_heads, head_dim)
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        cos, sin = self._cos_sin(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer shares this module and the step's positions: look them up once per forward."""
+        cached = getattr(self, "_step_cache", None)
+        if cached is None or cached[0] is not positions or cached[1] != dtype:
+            cos = self.cos[positions].to(dtype).unsqueeze(1)
+            sin = self.sin[positions].to(dtype).unsqueeze(1)
+            self._step_cache = cached = (positions, dtype, cos, sin)
+        return cached[2], cached[3]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -40,11 +40,14 @@ class Sampler:
 
         logits = self._apply_min_tokens(logits, requests)
         logits = self._apply_penalties(logits, requests)
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        tokens = logits.argmax(dim=-1)
-        if not bool(greedy.all()):
-            sampled = self._sample(logits, requests)
-            tokens = torch.where(greedy, tokens, sampled)
+        greedy_rows = [p.greedy for p in params]
+        if all(greedy_rows):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, requests)
+            if any(greedy_rows):
+                greedy = torch.tensor(greedy_rows, device=logits.device)
+                tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
 
         token_list = tokens.tolist()
         rows = [SampledRow(t) for t in token_list]
