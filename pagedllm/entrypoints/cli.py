@@ -78,11 +78,9 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:
-    if ns.kind == "throughput":
-        from pagedllm.bench.throughput import main as throughput_main
+    import importlib
 
-        return throughput_main(ns.rest)
-    raise ValueError(f"unknown benchmark {ns.kind!r}")
+    return importlib.import_module(f"pagedllm.bench.{ns.kind}").main(ns.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(plan)
     plan.set_defaults(func=_cmd_plan)
 
-    bench = sub.add_parser("bench", help="benchmarks (throughput)", add_help=False)
-    bench.add_argument("kind", choices=["throughput"])
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline", add_help=False)
+    bench.add_argument("kind", choices=["throughput", "serve", "roofline"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
     return parser

@@ -1,0 +1,197 @@
+"""`pagedllm bench serve`: load an OpenAI-compatible server and report vLLM's serving metrics.
+
+TTFT: request start to the first streamed token. TPOT per request: (latency - TTFT) /
+(output tokens - 1). ITL: every gap between streamed chunks. E2E: start to the last byte.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    """What one request saw: its start, the arrival time of each streamed chunk with text, its end."""
+
+    start: float
+    chunk_times: list[float] = field(default_factory=list)
+    end: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ok: bool = True
+    error: str = ""
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    ordered = sorted(values)
+    rank = 0.99 * (len(ordered) - 1)  # linear interpolation, as numpy.percentile does
+    lo = int(rank)
+    hi = min(lo + 1, len(ordered) - 1)
+    p99 = ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
+    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered), "p99": p99}
+
+
+def compute_metrics(records: list[RequestRecord], duration: float) -> dict:
+    """vLLM's definitions over successful requests; times in milliseconds."""
+    done = [r for r in records if r.ok and r.chunk_times]
+    ttft = [(r.chunk_times[0] - r.start) * 1000 for r in done]
+    e2e = [(r.end - r.start) * 1000 for r in done]
+    tpot = [((r.end - r.start) - (r.chunk_times[0] - r.start)) * 1000 / (r.output_tokens - 1)
+            for r in done if r.output_tokens > 1]
+    itl = [(b - a) * 1000 for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    output = sum(r.output_tokens for r in done)
+    prompt = sum(r.prompt_tokens for r in done)
+    return {
+        "completed": len(done), "failed": len(records) - len(done), "duration_s": duration,
+        "total_input_tokens": prompt, "total_output_tokens": output,
+        "request_throughput": len(done) / duration if duration else 0.0,
+        "output_throughput": output / duration if duration else 0.0,
+        "total_token_throughput": (prompt + output) / duration if duration else 0.0,
+        **{f"{k}_ttft_ms": v for k, v in _percentiles(ttft).items()},
+        **{f"{k}_tpot_ms": v for k, v in _percentiles(tpot).items()},
+        **{f"{k}_itl_ms": v for k, v in _percentiles(itl).items()},
+        **{f"{k}_e2e_latency_ms": v for k, v in _percentiles(e2e).items()},
+    }
+
+
+def random_prompts(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                   seed: int) -> list[tuple[list[int], int]]:
+    from pagedllm.bench.throughput import random_requests
+
+    return [(r.prompt_token_ids, r.output_len)
+            for r in random_requests(num, input_len, output_len, range_ratio, vocab_size, seed)]
+
+
+async def _one(client, url: str, body: dict, headers: dict, record: RequestRecord, chat: bool) -> None:
+    try:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                record.ok, record.error = False, f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    record.ok, record.error = False, chunk["error"].get("message", "")
+                    break
+                if chunk.get("usage"):
+                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    text = choice.get("delta", {}).get("content") if chat else choice.get("text")
+                    if text:
+                        record.chunk_times.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        record.ok, record.error = False, repr(e)
+    finally:
+        record.end = time.perf_counter()
+
+
+async def run_load(base_url: str, endpoint: str, model: str | None, prompts: list[tuple[list[int], int]],
+                   max_concurrency: int | None, request_rate: float, ignore_eos: bool, seed: int,
+                   api_key: str | None = None, show_progress: bool = True) -> tuple[list[RequestRecord], float]:
+    import httpx
+    from tqdm.auto import tqdm
+
+    chat = "chat" in endpoint
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(max_concurrency or len(prompts))
+    records = [RequestRecord(0.0) for _ in prompts]
+    bar = tqdm(total=len(prompts), desc="requests", disable=not show_progress)
+
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+        async def fire(i: int, ids: list[int], out_len: int) -> None:
+            async with limit:
+                body = {"model": model, "max_tokens": out_len, "stream": True, "ignore_eos": ignore_eos,
+                        "stream_options": {"include_usage": True}, "temperature": 0.0}
+                if chat:
+                    body["messages"] = [{"role": "user", "content": " ".join(f"w{t}" for t in ids)}]
+                else:
+                    body["prompt"] = ids
+                records[i].start = time.perf_counter()
+                await _one(client, base_url.rstrip("/") + endpoint, body, headers, records[i], chat)
+                bar.update(1)
+
+        start = time.perf_counter()
+        tasks = []
+        for i, (ids, out_len) in enumerate(prompts):
+            tasks.append(asyncio.create_task(fire(i, ids, out_len)))
+            if request_rate != float("inf") and i < len(prompts) - 1:
+                await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    bar.close()
+    return records, duration
+
+
+def format_metrics(m: dict) -> str:
+    lines = [f"{'successful requests':<32}{m['completed']}", f"{'failed requests':<32}{m['failed']}",
+             f"{'duration (s)':<32}{m['duration_s']:.2f}",
+             f"{'request throughput (req/s)':<32}{m['request_throughput']:.2f}",
+             f"{'output token throughput (tok/s)':<32}{m['output_throughput']:.2f}",
+             f"{'total token throughput (tok/s)':<32}{m['total_token_throughput']:.2f}"]
+    for name in ("ttft", "tpot", "itl", "e2e_latency"):
+        for stat in ("mean", "median", "p99"):
+            value = m[f"{stat}_{name}_ms"]
+            lines.append(f"{f'{stat} {name.upper()} (ms)':<32}{'-' if value is None else f'{value:.2f}'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pagedllm bench serve")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", default=None, help="served model name (default: the server's first)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--dataset-name", default="random", choices=["random"])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--random-input-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: all at once)")
+    p.add_argument("--vocab-size", type=int, default=None, help="default: from the server's /tokenizer_info")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args(argv)
+    for name in ("num_prompts", "random_input_len", "random_output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+
+    import httpx
+
+    vocab = args.vocab_size
+    if vocab is None:
+        info = httpx.get(args.base_url.rstrip("/") + "/tokenizer_info", timeout=30).json()
+        vocab = info.get("vocab_size") or 1000
+    prompts = random_prompts(args.num_prompts, args.random_input_len, args.random_output_len,
+                             args.random_range_ratio, vocab, args.seed)
+    records, duration = asyncio.run(run_load(args.base_url, args.endpoint, args.model, prompts,
+                                             args.max_concurrency, args.request_rate, args.ignore_eos,
+                                             args.seed, args.api_key))
+    metrics = compute_metrics(records, duration)
+    print(format_metrics(metrics))
+    errors = [r.error for r in records if not r.ok]
+    if errors:
+        print(f"first error: {errors[0]}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"settings": vars(args), "metrics": metrics}, f, indent=2, default=str)
+    return 0 if not errors else 1
