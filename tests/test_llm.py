@@ -287,3 +287,11 @@ def test_hub_name_resolved_through_local_cache(tmp_path, tiny_models, monkeypatc
     assert len(llm.generate("hi", greedy(3), use_tqdm=False)[0].outputs[0].token_ids) == 3
     with pytest.raises(FileNotFoundError, match="local Hugging Face cache"):
         LLM("acme/not-there")
+
+
+def test_logprobs_beyond_the_vocabulary_refused(llm):
+    with pytest.raises(ValueError, match="logprobs must be at most the vocabulary size"):
+        llm.generate([[1, 2]], greedy(logprobs=10**6), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        llm.generate([[1, 2]], greedy(prompt_logprobs=10**6), use_tqdm=False)
+    assert len(llm.generate([[1, 2]], greedy(logprobs=2), use_tqdm=False)[0].outputs[0].logprobs) == 12

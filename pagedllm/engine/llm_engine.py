@@ -172,6 +172,11 @@ class LLMEngine:
                 f"This model's maximum context length is {max_len} tokens. However, you requested "
                 f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} for the "
                 f"completion). Reduce the prompt or max_tokens to at most {max_len - len(ids)}.")
+        vocab = self.config.model.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"{name} must be at most the vocabulary size ({vocab}), got {value}.")
         bad_stop = [t for t in params.stop_token_ids if t >= self.config.model.vocab_size]
         if bad_stop:
             raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {self.config.model.vocab_size})")
