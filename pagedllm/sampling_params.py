@@ -1,6 +1,7 @@
 """SamplingParams: how one request picks its tokens and when it stops (vLLM's fields and defaults)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 _GREEDY_EPS = 1e-5
@@ -57,6 +58,9 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}.")
 
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, "a finite number")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "an integer >= 1")
         if not self.temperature >= 0.0:

@@ -163,3 +163,11 @@ def test_clone_applies_changes_and_revalidates() -> None:
     assert p.seed == 3
     with pytest.raises(ValueError, match="temperature"):
         p.clone(temperature=-1.0)
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_p", "presence_penalty", "repetition_penalty"])
+def test_non_finite_values_refused(name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: float("inf")})
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**{name: float("nan")})

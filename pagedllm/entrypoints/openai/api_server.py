@@ -17,6 +17,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
@@ -27,7 +28,12 @@ from pagedllm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pagedllm.entrypoints.openai.serving import ServingContext, create_chat_completion, create_completion
+from pagedllm.entrypoints.openai.serving import (
+    ServingContext,
+    check_text,
+    create_chat_completion,
+    create_completion,
+)
 from pagedllm.metrics import EngineMetrics
 
 logger = logging.getLogger("pagedllm.server")
@@ -72,6 +78,14 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
             shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
             parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} (got {shown[:80]})")
         return error_response(400, "Invalid request: " + "; ".join(parts[:5]), param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):
+        # FastAPI's own errors (unknown route, wrong method, a body that is not UTF-8 or nests too
+        # deeply to parse) in the OpenAI shape too, not as {"detail": ...}.
+        response = error_response(e.status_code, str(e.detail))
+        response.headers.update(e.headers or {})  # e.g. Allow on a 405
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_, e: EngineDeadError):
@@ -132,6 +146,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
             _, ids = await engine.call(lambda e: e.apply_chat_template(msgs, chat_template,
                                                                        body.add_generation_prompt))
         else:
+            check_text(body.prompt, "prompt")
             ids = await engine.call(lambda e: _need_tokenizer(e).encode(
                 body.prompt, add_special_tokens=body.add_special_tokens))
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}

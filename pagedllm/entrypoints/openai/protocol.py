@@ -33,7 +33,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, le=2**63 - 1)  # more overflows int64 in the sampler
     min_p: float | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
@@ -50,6 +50,8 @@ class _SamplingRequest(BaseModel):
         out = []
         if self.logit_bias:
             out.append(("logit_bias", "logit_bias is not supported"))
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            out.append(("stream_options", "stream_options.continuous_usage_stats is not supported"))
         return out
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int

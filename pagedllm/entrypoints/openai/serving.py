@@ -34,13 +34,28 @@ class ServingContext:
         return requested
 
 
-def _sampling_params(req, max_tokens: int | None, logprobs: int | None, default_max_tokens) -> SamplingParams:
+# vLLM's default --max-logprobs. More than the vocabulary fails the engine step (torch.topk), and
+# with it every running request: such a request is refused here, before it reaches the engine.
+MAX_LOGPROBS = 20
+
+
+def _sampling_params(ctx: ServingContext, req, max_tokens: int | None, logprobs: int | None, default_max_tokens,
+                     logprobs_param: str = "logprobs") -> SamplingParams:
     for param, why in req.unsupported():
         raise APIError(400, why, param)
     try:
-        return req.to_sampling_params(max_tokens, logprobs, default_max_tokens)
+        params = req.to_sampling_params(max_tokens, logprobs, default_max_tokens)
     except ValueError as e:
         raise APIError(400, str(e), param_of(str(e))) from None
+    # Values SamplingParams accepts but the server cannot serve: an n of 2**70 would stall the
+    # engine thread creating samples; too many logprobs would fail the engine step.
+    max_n = ctx.engine.engine.config.scheduler.max_num_seqs
+    if params.n > max_n:
+        raise APIError(400, f"n must be at most {max_n} (the server's --max-num-seqs), got {params.n}.", "n")
+    for param, value in ((logprobs_param, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if value is not None and value > MAX_LOGPROBS:
+            raise APIError(400, f"{param} must be at most {MAX_LOGPROBS}, got {value}.", param)
+    return params
 
 
 def _sse(obj: dict | str) -> str:
@@ -139,15 +154,24 @@ async def _start(ctx: ServingContext, prefix: str, prompts: list, params: Sampli
     return streams
 
 
+def check_text(text: str, param: str) -> str:
+    """JSON can carry lone surrogates ("\\ud800"), which are not text: the tokenizer raises a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode: {e.reason} at character {e.start}", param) from None
+    return text
+
+
 def _completion_prompts(prompt) -> list:
     if isinstance(prompt, str):
-        return [prompt]
+        return [check_text(prompt, "prompt")]
     if not prompt:
         raise APIError(400, "prompt must not be empty", "prompt")
     if all(isinstance(t, int) for t in prompt):
         return [{"prompt_token_ids": prompt}]
     if all(isinstance(p, str) for p in prompt):
-        return list(prompt)
+        return [check_text(p, "prompt") for p in prompt]
     return [{"prompt_token_ids": p} for p in prompt]
 
 
@@ -181,7 +205,7 @@ def _usage(outputs: list[RequestOutput]) -> dict:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     model = ctx.model_name(req.model)
     prompts = _completion_prompts(req.prompt)
-    params = _sampling_params(req, req.max_tokens, req.logprobs, 16)
+    params = _sampling_params(ctx, req, req.max_tokens, req.logprobs, 16)
     if req.echo and req.logprobs is not None:
         params = params.clone(prompt_logprobs=req.logprobs)
     streams = await _start(ctx, "cmpl", prompts, params)
@@ -279,7 +303,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     model = ctx.model_name(req.model)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _sampling_params(req, max_tokens, logprobs, None)
+    params = _sampling_params(ctx, req, max_tokens, logprobs, None, "top_logprobs")
     messages = _messages(req)
     template = req.chat_template or ctx.chat_template
     try:
