@@ -90,7 +90,9 @@ async def _one(client, url: str, body: dict, headers: dict, record: RequestRecor
                     record.output_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk.get("choices", []):
                     text = choice.get("delta", {}).get("content") if chat else choice.get("text")
-                    if text:
+                    # A chunk carries new tokens when it has text, or (a model served without a
+                    # tokenizer) when it is not the closing chunk.
+                    if text or (text == "" and choice.get("finish_reason") is None):
                         record.chunk_times.append(time.perf_counter())
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         record.ok, record.error = False, repr(e)
@@ -101,8 +103,12 @@ async def _one(client, url: str, body: dict, headers: dict, record: RequestRecor
 async def run_load(base_url: str, endpoint: str, model: str | None, prompts: list[tuple[list[int], int]],
                    max_concurrency: int | None, request_rate: float, ignore_eos: bool, seed: int,
                    api_key: str | None = None, show_progress: bool = True) -> tuple[list[RequestRecord], float]:
+    import logging
+
     import httpx
     from tqdm.auto import tqdm
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a log line per request
 
     chat = "chat" in endpoint
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

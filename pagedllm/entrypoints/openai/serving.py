@@ -250,8 +250,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     if first and req.echo:
                         delta = prompt_text(out) + delta
                         entries = echo_entries(out) + entries
-                    if not delta and not entries and not c.finished():
-                        continue
+                    if not delta and not entries and t1 == t0 and not c.finished():
+                        continue  # nothing new (a token's text may still be held back: it is sent later)
                     logprobs = _completion_logprobs(entries) if req.logprobs is not None else None
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "choices": [{"index": i * n + c.index, "text": delta, "logprobs": logprobs,
