@@ -105,12 +105,28 @@ def run_transformers(args, requests: list[BenchRequest], batch_size: int, model=
     return time.perf_counter() - start
 
 
+def run_transformers_cb(args, requests: list[BenchRequest], model=None) -> float:
+    """transformers' own continuous batching (`generate_batch`) on the same requests."""
+    from transformers import GenerationConfig
+
+    model = model or _hf_model(args)
+    out_len = max(r.output_len for r in requests)
+    gen = GenerationConfig(max_new_tokens=out_len, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                           eos_token_id=None if args.ignore_eos else model.generation_config.eos_token_id,
+                           pad_token_id=0)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate_batch(inputs=[r.prompt_token_ids for r in requests], generation_config=gen,
+                             progress_bar=True)
+    return time.perf_counter() - start
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedllm bench throughput")
     p.add_argument("--model", default=None)
     p.add_argument("--load-format", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--backend", choices=["pagedllm", "transformers"], action="append",
+    p.add_argument("--backend", choices=["pagedllm", "transformers", "transformers-cb"], action="append",
                    help="repeat to run several in one go (default: pagedllm)")
     p.add_argument("--dataset", default="random", help="'random', or a .jsonl / ShareGPT .json file")
     p.add_argument("--input-len", type=int, default=128)
@@ -156,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             model = _hf_model(args)
             runs = [("transformers", bs, lambda bs=bs: run_transformers(args, requests, bs, model))
                     for bs in args.hf_batch_size]
+        elif backend == "transformers-cb":
+            runs = [("transformers-cb", None, lambda: run_transformers_cb(args, requests))]
         for name, bs, fn in runs:
             elapsed = fn()
             results.append({
@@ -178,5 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             if r is not base:
                 ratio = base["output_tokens_per_second"] / r["output_tokens_per_second"]
-                print(f"pagedllm / {r['backend']} (batch {r['hf_batch_size']}): {ratio:.2f}x output tokens/s")
+                label = r["backend"] + (f" (batch {r['hf_batch_size']})" if r["hf_batch_size"] else "")
+                print(f"pagedllm / {label}: {ratio:.2f}x output tokens/s")
     return 0
