@@ -55,10 +55,10 @@ def file_requests(path: str, num_prompts: int, output_len: int | None, tokenizer
 def run_pagedllm(args, requests: list[BenchRequest]) -> float:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, load_format=args.load_format, seed=args.seed,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory)
+    from pagedllm.entrypoints.cli import engine_args_from
+
+    engine_args = vars(engine_args_from(args))
+    llm = LLM(engine_args.pop("model"), **engine_args)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
               for r in requests]
@@ -122,10 +122,10 @@ def run_transformers_cb(args, requests: list[BenchRequest], model=None) -> float
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedllm.entrypoints.cli import add_engine_args
+
     p = argparse.ArgumentParser(prog="pagedllm bench throughput")
-    p.add_argument("--model", default=None)
-    p.add_argument("--load-format", default="auto")
-    p.add_argument("--dtype", default="auto")
+    add_engine_args(p)  # the engine flags, shared with serve / generate / plan (--seed seeds the data too)
     p.add_argument("--backend", choices=["pagedllm", "transformers", "transformers-cb"], action="append",
                    help="repeat to run several in one go (default: pagedllm)")
     p.add_argument("--dataset", default="random", help="'random', or a .jsonl / ShareGPT .json file")
@@ -133,15 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0)
     p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--hf-batch-size", type=int, nargs="+", default=[16])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     backends = args.backend or ["pagedllm"]
