@@ -135,6 +135,8 @@ class AsyncLLMEngine:
                 continue
             try:
                 outputs = self.engine.step()
+                if not self.engine.has_unfinished_requests():
+                    self.engine.check_integrity()  # idle: every block must be back in the pool
             except Exception as e:  # a bug, not bad input: fail what is running, stop serving
                 logger.exception("engine step failed")
                 self.errored = e

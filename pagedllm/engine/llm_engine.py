@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
@@ -33,7 +33,6 @@ class _Sequence:
     request: Request
     index: int
     detokenizer: IncrementalDetokenizer | None
-    text: str = ""
 
 
 @dataclass
@@ -46,7 +45,6 @@ class _Group:
     sequences: list[_Sequence]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     stream: bool = False
-    metrics: dict = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:
