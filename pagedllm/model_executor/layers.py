@@ -103,3 +103,35 @@ def get_activation(name: str):
     if name not in ACTIVATIONS:
         raise UnsupportedModelError(f"hidden_act {name!r} is not supported (supported: {', '.join(ACTIVATIONS)}).")
     return ACTIVATIONS[name]
+
+
+def _packed_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """On CPU in bfloat16, re-lay every Linear's weight in oneDNN's blocked format, once.
+
+    PyTorch's plain bf16 GEMV reads weights at ~15 GB/s here; from the packed layout the same
+    product runs 2-3x faster (M=1) and ~1.4x faster (M=64), with identical results. The plain
+    weight is then freed, except where another module shares it (a tied embedding), which stays
+    unpacked rather than hold two copies. Returns the bytes now held in packed form.
+    """
+    if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return 0
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    packed_bytes = 0
+    for module in model.modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        w = module.weight
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or owners[id(w)] > 1:
+            continue
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        packed_bytes += w.numel() * w.element_size()
+        module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        module.forward = _packed_linear_forward.__get__(module)
+    return packed_bytes

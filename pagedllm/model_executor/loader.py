@@ -10,7 +10,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pagedllm.config import ModelConfig
-from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
+from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, pack_linear_weights
 from pagedllm.model_executor.model_files import weight_files
 from pagedllm.model_executor.models.registry import get_model_class
 
@@ -38,6 +38,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     else:
         _load_safetensors(model, model_config)
     model.eval()
+    if device.type == "cpu":
+        model.packed_weight_bytes = pack_linear_weights(model)
     return model
 
 

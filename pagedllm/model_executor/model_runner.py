@@ -43,7 +43,8 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        seen, total = set(), 0
+        """Bytes of all weights: parameters (shared ones once) plus those packed for oneDNN."""
+        seen, total = set(), getattr(self.model, "packed_weight_bytes", 0)
         for p in self.model.parameters():
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
