@@ -206,3 +206,13 @@ def test_plan_of_a_model_folder_reads_its_safetensors_headers(capsys, tiny_model
     assert data["sources"]["weights"] == "safetensors headers"
     assert data["weights_bytes"] == weight_bytes_from_headers(weight_files(path), torch.float32, True)
     assert data["kv_bytes_per_token"] == 2 * 2 * 1 * 16 * 4  # 2 layers, 1 kv head, head_dim 16, float32
+
+
+def test_plan_measures_this_machine_when_no_memory_is_given(tiny_models, capsys):
+    from pagedllm.entrypoints.cli import main
+
+    code = main(["plan", str(tiny_models["llama"]), "--device", "cpu", "--max-model-len", "128", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["fits"] is True
+    assert out["sources"]["device"] == "measured" and out["device"] == "cpu"
+    assert out["device_total_bytes"] > 1 << 30 and out["device_used_bytes"] >= 0

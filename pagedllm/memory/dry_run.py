@@ -6,7 +6,8 @@ from dataclasses import replace
 import torch
 
 from pagedllm.engine.arg_utils import EngineArgs, parse_size
-from pagedllm.memory.device import DeviceMemory, device_memory
+from pagedllm.memory.device import DeviceMemory
+from pagedllm.memory.device import device_memory as measure_device_memory
 from pagedllm.memory.facts import device_facts, dry_run_model_facts, settings_from
 from pagedllm.memory.plan import MemoryPlan
 from pagedllm.model_executor.model_files import resolve_model_path, weight_files
@@ -34,7 +35,7 @@ def dry_run_plan(args: EngineArgs, device: str = "auto", device_memory: str | No
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("there is no CUDA device here to measure: pass --device-memory SIZE "
                              "(and --device-memory-used SIZE) to plan for one.")
-        mem = device_memory(device)
+        mem = measure_device_memory(device)
         facts = device_facts(replace(mem, unified=mem.unified or unified))
 
     args = replace(args, device=device)

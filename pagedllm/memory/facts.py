@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from pagedllm.memory.device import DeviceMemory
 from pagedllm.memory.model_size import (

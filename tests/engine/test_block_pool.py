@@ -98,7 +98,7 @@ def test_freed_blocks_go_to_the_back_lru() -> None:
 
 def test_free_order_decides_reuse_order() -> None:
     pool = BlockPool(4)
-    blocks = pool.allocate(4)  # [0, 1, 2, 3]
+    pool.allocate(4)  # [0, 1, 2, 3]
     pool.free([2])
     pool.free([0])
     pool.free([3, 1])
