@@ -3,10 +3,7 @@ from __future__ import annotations
 
 from pagedllm.engine.block_pool import BlockPool
 from pagedllm.engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pagedllm.utils import cdiv
 
 
 class KVCacheManager:

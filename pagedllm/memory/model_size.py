@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.utils import cdiv
+
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
                          "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
@@ -71,7 +73,7 @@ def kv_bytes_per_token(cfg, kv_dtype: torch.dtype, tensor_parallel_size: int = 1
     KV heads are split across ranks; with fewer KV heads than ranks each rank keeps a replica.
     """
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    per_rank = max(1, -(-kv_heads // tensor_parallel_size))
+    per_rank = max(1, cdiv(kv_heads, tensor_parallel_size))
     return 2 * cfg.num_hidden_layers * per_rank * _head_dim(cfg) * kv_dtype.itemsize
 
 

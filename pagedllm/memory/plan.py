@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from pagedllm.errors import KVCacheMemoryError
+from pagedllm.utils import cdiv
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -20,10 +21,6 @@ def fmt_bytes(n: float) -> str:
         if n >= size:
             return f"{sign}{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
     return f"{sign}{int(n)} B"
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -138,12 +135,12 @@ class MemoryPlan:
     @property
     def seq_bytes(self) -> int:
         """KV bytes one max_model_len sequence needs (whole blocks)."""
-        return _cdiv(self.max_model_len, self.settings.block_size) * self.block_bytes
+        return cdiv(self.max_model_len, self.settings.block_size) * self.block_bytes
 
     @property
     def max_useful_blocks(self) -> int:
         """max_num_seqs sequences of max_model_len: more blocks could never be used at once."""
-        return self.settings.max_num_seqs * _cdiv(max(self.max_model_len, 1), self.settings.block_size)
+        return self.settings.max_num_seqs * cdiv(max(self.max_model_len, 1), self.settings.block_size)
 
     @property
     def num_blocks(self) -> int:
@@ -229,7 +226,7 @@ class MemoryPlan:
         # The smallest utilization that fits (only meaningful when the budget decides).
         if s.kv_cache_memory_bytes is None and s.num_gpu_blocks_override is None:
             needed = self.device.used_by_others_bytes + self.non_kv_bytes + self.seq_bytes
-            util = _cdiv(needed * 100, self.device.total_bytes) / 100
+            util = cdiv(needed * 100, self.device.total_bytes) / 100
             if util <= 1.0:
                 util_plan = self.with_settings(gpu_memory_utilization=util)
                 while not util_plan.fits and util < 1.0:  # rounding of the budget
@@ -250,7 +247,7 @@ class MemoryPlan:
             want = self.seq_bytes
             candidates.append(("--kv-cache-memory", str(want), self.with_settings(kv_cache_memory_bytes=want)))
         if s.num_gpu_blocks_override is not None:
-            blocks = _cdiv(self.max_model_len, s.block_size)
+            blocks = cdiv(self.max_model_len, s.block_size)
             candidates.append(("--num-gpu-blocks-override", str(blocks),
                                self.with_settings(num_gpu_blocks_override=blocks)))
         return [Fix(flag, value, p.effect()) for flag, value, p in candidates if p.fits]

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.utils import cdiv
+
 
 @dataclass
 class AttentionGroup:
@@ -141,7 +143,7 @@ def _build_group(members, start, lens, offsets, table, block_size, device) -> At
     real = q_pos[None, :] < g_len[:, None]  # (B, max_q)
     query_index = torch.where(real, g_off[:, None] + q_pos[None, :], 0)
     kv_pos = torch.arange(max_kv)
-    num_blocks = -(-max_kv // block_size)
+    num_blocks = cdiv(max_kv, block_size)
     # A query at absolute position p sees keys 0..p; padded query rows see key 0 (never read).
     q_abs = g_start[:, None] + q_pos[None, :]  # (B, max_q)
     mask = kv_pos[None, None, :] <= q_abs[:, :, None]

@@ -13,6 +13,7 @@ from pagedllm.model_executor.attention import build_attention_metadata, forward_
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.sampler import SampledRow, Sampler
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import cdiv
 
 
 @dataclass
@@ -116,7 +117,7 @@ class ModelRunner:
             left -= lengths[-1]
         tables, next_block = [], 0
         for n in lengths:
-            count = -(-n // self.block_size)
+            count = cdiv(n, self.block_size)
             tables.append(list(range(next_block, next_block + count)))
             next_block += count
         self.allocate_kv_cache(next_block)  # scratch cache, outside the measurement

@@ -6,7 +6,8 @@ import random
 import pytest
 
 from pagedllm.engine.block_pool import BlockPool
-from pagedllm.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.utils import cdiv
 from pagedllm.engine.request import Request
 from pagedllm.sampling_params import SamplingParams
 
