@@ -12,7 +12,7 @@ from pagedllm import LLM, SamplingParams
 
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pagedllm", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "pagedllm", *args], check=False, capture_output=True, text=True,
                           timeout=300, env={**os.environ, **(env or {})})
 
 
@@ -49,3 +49,22 @@ def test_bench_throughput_writes_json(tiny_models, tmp_path):
         assert r["output_tokens_per_second"] > 0
         assert r["requests_per_second"] * r["elapsed_s"] == pytest.approx(6)
     assert data["settings"]["output_tokens"] == 30
+
+
+def test_bench_sweep_runs_each_batch_size_and_plots(tiny_models, tmp_path):
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    res = run_cli("bench", "sweep", "--model", str(tiny_models["llama"]), "--dtype", "float32",
+                  "--batch-sizes", "1", "3", "--input-len", "8", "--output-len", "4", "--max-model-len", "64",
+                  "--backend", "pagedllm", "--backend", "transformers", "--bandwidth-bytes", "16MiB",
+                  "--output-json", str(out), "--plot", str(png))
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["backend"], r["batch"]) for r in rows if "elapsed_s" in r) == [
+        ("pagedllm", 1), ("pagedllm", 3), ("transformers", 1), ("transformers", 3)]
+    for r in rows:
+        if "elapsed_s" in r:
+            assert r["output_tokens_per_second"] == pytest.approx(r["batch"] * 4 / r["elapsed_s"])
+    assert sum("roofline" in r["backend"] for r in rows) == 2
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    res = run_cli("bench", "sweep", "--model", str(tiny_models["llama"]), "--batch-sizes", "0")
+    assert res.returncode == 2 and "batch-sizes" in res.stderr

@@ -34,7 +34,8 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
 
 def file_requests(path: str, num_prompts: int, output_len: int | None, tokenizer) -> list[BenchRequest]:
     """JSONL lines with "prompt" (and optional "output_len"), or ShareGPT JSON (first human turn)."""
-    text = open(path).read()
+    with open(path) as f:
+        text = f.read()
     items = []
     if path.endswith(".jsonl"):
         for line in text.splitlines():
@@ -52,13 +53,19 @@ def file_requests(path: str, num_prompts: int, output_len: int | None, tokenizer
     return [BenchRequest(tokenizer.encode(p), output_len or n or 128) for p, n in items[:num_prompts]]
 
 
-def run_pagedllm(args, requests: list[BenchRequest]) -> float:
-    from pagedllm import LLM, SamplingParams
-
+def make_llm(args):
+    """An LLM built from the shared engine flags in `args`."""
+    from pagedllm import LLM
     from pagedllm.entrypoints.cli import engine_args_from
 
     engine_args = vars(engine_args_from(args))
-    llm = LLM(engine_args.pop("model"), **engine_args)
+    return LLM(engine_args.pop("model"), **engine_args)
+
+
+def run_pagedllm(args, requests: list[BenchRequest], llm=None) -> float:
+    from pagedllm import SamplingParams
+
+    llm = llm or make_llm(args)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
               for r in requests]
@@ -139,7 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     backends = args.backend or ["pagedllm"]
 
-    from pagedllm.model_executor.model_files import has_tokenizer, load_hf_config, resolve_model_path
+    from pagedllm.model_executor.model_files import (
+        has_tokenizer,
+        load_hf_config,
+        resolve_model_path,
+    )
 
     if args.model is None:
         from pagedllm.demo import demo_model_path
@@ -163,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [("pagedllm", None, lambda: run_pagedllm(args, requests))] if backend == "pagedllm" else []
         if backend == "transformers":
             model = _hf_model(args)
-            runs = [("transformers", bs, lambda bs=bs: run_transformers(args, requests, bs, model))
+            runs = [("transformers", bs, lambda bs=bs, model=model: run_transformers(args, requests, bs, model))
                     for bs in args.hf_batch_size]
         elif backend == "transformers-cb":
             runs = [("transformers-cb", None, lambda: run_transformers_cb(args, requests))]

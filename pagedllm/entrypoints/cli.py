@@ -126,8 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(plan)
     plan.set_defaults(func=_cmd_plan)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline", add_help=False)
-    bench.add_argument("kind", choices=["throughput", "serve", "roofline"])
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline, sweep", add_help=False)
+    bench.add_argument("kind", choices=["throughput", "serve", "roofline", "sweep"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
     return parser

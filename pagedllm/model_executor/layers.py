@@ -109,13 +109,23 @@ def _packed_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+def _shared_weight_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """For a bf16 weight that must keep its plain layout (a tied LM head): with few rows,
+    W @ x^T (a GEMV over W's contiguous rows) runs ~1.5x faster on CPU than x @ W^T."""
+    if x.dim() != 2 or x.shape[0] > 32:
+        return F.linear(x, self.weight, self.bias)
+    out = torch.mv(self.weight, x[0]).unsqueeze(0) if x.shape[0] == 1 else (self.weight @ x.T).T
+    return out if self.bias is None else out + self.bias
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """On CPU in bfloat16, re-lay every Linear's weight in oneDNN's blocked format, once.
 
     PyTorch's plain bf16 GEMV reads weights at ~15 GB/s here; from the packed layout the same
     product runs 2-3x faster (M=1) and ~1.4x faster (M=64), with identical results. The plain
     weight is then freed, except where another module shares it (a tied embedding), which stays
-    unpacked rather than hold two copies. Returns the bytes now held in packed form.
+    unpacked rather than hold two copies, and multiplies in the orientation that is faster for
+    decode. Returns the bytes now held in packed form.
     """
     if not torch.backends.mkldnn.is_available() or not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return 0
@@ -128,7 +138,10 @@ def pack_linear_weights(model: nn.Module) -> int:
         if not isinstance(module, nn.Linear):
             continue
         w = module.weight
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or owners[id(w)] > 1:
+        if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+            continue
+        if owners[id(w)] > 1:
+            module.forward = _shared_weight_forward.__get__(module)
             continue
         module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
         packed_bytes += w.numel() * w.element_size()

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.bench.roofline import decode_floor
-from pagedllm.bench.serve import RequestRecord, compute_metrics, main as serve_main
+from pagedllm.bench.serve import RequestRecord, compute_metrics
+from pagedllm.bench.serve import main as serve_main
 from pagedllm.bench.throughput import random_requests
 
 
@@ -59,3 +60,39 @@ def test_random_dataset_lengths_and_determinism():
 def test_bench_serve_refuses_bad_arguments(argv, match):
     with pytest.raises(ValueError, match=match):
         serve_main(argv)
+
+
+def test_sweep_roofline_is_prefill_floor_plus_decode_floors():
+    from pagedllm.bench.sweep import roofline_tokens_per_s
+
+    # Memory-bound everywhere: prefill reads the weights once (10 s), each decode step reads
+    # weights + batch * mid-context * kv bytes = 1000 + 2 * 15 * 10 = 1300 bytes (13 s).
+    tps = roofline_tokens_per_s(batch=2, input_len=10, output_len=10, num_params=1, weight_bytes=1000,
+                                kv_bytes_per_token=10, bandwidth=100.0, flops_rate=1e12)
+    assert tps == pytest.approx(2 * 10 / (10 + 10 * 13))
+    # Compute-bound prefill: 2 * params * batch * input_len flops.
+    tps = roofline_tokens_per_s(batch=4, input_len=8, output_len=1, num_params=1000, weight_bytes=1,
+                                kv_bytes_per_token=0, bandwidth=1e12, flops_rate=1000.0)
+    assert tps == pytest.approx(4 / (2 * 1000 * 4 * 8 / 1000 + 2 * 1000 * 4 / 1000))
+
+
+def test_sweep_reads_llamacpp_jsonl_rows_of_the_same_workload(tmp_path):
+    from pagedllm.bench.sweep import read_llamacpp_jsonl
+
+    f = tmp_path / "bb.jsonl"
+    f.write_text('{"pp": 128, "tg": 128, "pl": 1, "t": 4.0}\n{"pp": 128, "tg": 128, "pl": 64, "t": 64.0}\n'
+                 '{"pp": 512, "tg": 128, "pl": 8, "t": 1.0}\n')
+    rows = read_llamacpp_jsonl(str(f), 128, 128)
+    assert [(r["batch"], r["output_tokens_per_second"]) for r in rows] == [(1, 32.0), (64, 128.0)]
+    with pytest.raises(ValueError, match="pp=64"):
+        read_llamacpp_jsonl(str(f), 64, 128)
+
+
+def test_sweep_plot_writes_a_png(tmp_path):
+    from pagedllm.bench.sweep import ROOFLINE, plot_sweep
+
+    rows = [{"backend": b, "batch": n, "output_tokens_per_second": v * n}
+            for b, v in (("pagedllm", 10.0), ("transformers", 5.0), (ROOFLINE, 20.0)) for n in (1, 4, 16)]
+    out = tmp_path / "sweep.png"
+    plot_sweep(rows, str(out), "test")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000

@@ -1,0 +1,47 @@
+"""CPU fast paths of the Linear layers give the plain PyTorch product's results."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model_executor.layers import pack_linear_weights
+
+needs_bf16_mkldnn = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="this CPU has no oneDNN bf16 support; pack_linear_weights is then a no-op (tested below)")
+
+
+class _TiedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(300, 64)
+        self.proj = nn.Linear(64, 96, bias=True)
+        self.head = nn.Linear(64, 300, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def _model() -> _TiedModel:
+    torch.manual_seed(0)
+    return _TiedModel().to(torch.bfloat16).eval()
+
+
+@needs_bf16_mkldnn
+@pytest.mark.parametrize("rows", [1, 3, 32, 40])
+def test_packed_and_tied_linears_match_plain_linear(rows):
+    model = _model()
+    plain_proj_w, plain_proj_b = model.proj.weight.detach().clone(), model.proj.bias.detach().clone()
+    packed = pack_linear_weights(model)
+    assert packed == 96 * 64 * 2  # only the untied projection is re-laid; the tied head keeps its weight
+    assert model.head.weight is model.embed.weight and model.head.weight.numel() == 300 * 64
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.proj(x), F.linear(x, plain_proj_w, plain_proj_b), rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(model.head(x), F.linear(x, model.embed.weight), rtol=1.6e-2, atol=1e-2)
+
+
+def test_float32_weights_are_left_alone():
+    model = _TiedModel().eval()
+    assert pack_linear_weights(model) == 0
+    assert model.proj.weight.numel() == 96 * 64 and "forward" not in vars(model.head)
