@@ -15,6 +15,14 @@ _DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATION_METHODS = ("int8",)
+# --preemption-mode, vLLM's names. None (the default): swap when there is swap space and it pays.
+PREEMPTION_MODES = ("swap", "recompute")  # --quantization: weight-only int8, quantized at load
+# --kv-cache-dtype, vLLM's names: "auto" is the model dtype, "fp8" is fp8_e4m3.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None, device: str) -> torch.dtype:
@@ -34,6 +42,13 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
     return resolved
 
 
+def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the paged K/V tensors are stored in."""
+    if cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {cache_dtype!r}.")
+    return KV_CACHE_DTYPES[cache_dtype] or model_dtype
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What model runs and how: the resolved folder, its HF config, dtype and context length."""
@@ -48,6 +63,10 @@ class ModelConfig:
     load_format: str = "auto"
     seed: int = 0
     tokenizer: Path | None = None  # None: no tokenizer files (token-id prompts only)
+    quantization: str | None = None  # one of QUANTIZATION_METHODS: the decoder Linears' weights, at load
+    cpu_offload_bytes: int = 0  # whole decoder layers' weights kept in host memory (--cpu-offload-gb)
+    # Audio models: repetition-aware sampling as the checkpoint's generation_config.json sets it (True), or off.
+    repetition_aware_sampling: bool = True
 
     @property
     def model_max_len(self) -> int:
@@ -81,14 +100,22 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None  # an explicit KV budget, overriding the utilization
+    cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    enable_prefix_caching: bool = True  # full blocks are found again by the hash of their prefix
+    swap_space_bytes: int = 0  # --swap-space: host memory for the K/V of swapped-out requests (0: none)
 
     def __post_init__(self) -> None:
+        resolve_kv_cache_dtype(self.cache_dtype, torch.float32)  # refuse unknown names now
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size must be a power of two in [1, 256], got {self.block_size}.")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}.")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}.")
+        if not isinstance(self.swap_space_bytes, int) or self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be an integer >= 0, got {self.swap_space_bytes!r}.")
 
 
 @dataclass(frozen=True)
@@ -98,8 +125,12 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    preemption_mode: str | None = None  # one of PREEMPTION_MODES; None: swap when it pays, else recompute
 
     def __post_init__(self) -> None:
+        if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)} or None (automatic); "
+                             f"got {self.preemption_mode!r}.")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:
@@ -113,3 +144,16 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        mode, swap = self.scheduler.preemption_mode, self.cache.swap_space_bytes
+        if mode == "swap" and not swap:
+            raise ValueError("preemption_mode 'swap' needs swap space: pass --swap-space GiB (host memory for "
+                             "the KV blocks of preempted requests).")
+        if mode == "recompute" and swap:
+            raise ValueError(f"preemption_mode 'recompute' never uses the {swap} bytes of --swap-space: drop "
+                             f"--swap-space, or drop --preemption-mode to swap when it pays.")
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return resolve_kv_cache_dtype(self.cache.cache_dtype, self.model.dtype)

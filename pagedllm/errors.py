@@ -11,3 +11,7 @@ class KVCacheMemoryError(ValueError):
 
 class InvalidPromptError(ValueError):
     """A prompt that can never be served: empty, too long, or holding ids outside the vocabulary."""
+
+
+class UnsupportedSamplingParamsError(ValueError):
+    """Sampling settings the model cannot honour (e.g. logprobs or penalties for audio codes)."""

@@ -30,7 +30,18 @@ class EngineMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
-        self.preemptions = counter("num_preemptions", "Preemptions since start.")
+        # One counter, a series per kind: sum over `mode` is vLLM's num_preemptions.
+        preemptions = Counter(p + "num_preemptions", "Preemptions since start, by mode (swap or recompute).",
+                              labels + ["mode"], registry=r)
+        self.preemptions = {mode: preemptions.labels(model_name, mode) for mode in ("swap", "recompute")}
+        self.swapped = gauge("num_requests_swapped", "Requests swapped out to the host (swap) pool.")
+        self.swap_usage = gauge("swap_usage_perc", "Fraction of the host (swap) pool's blocks in use (0-1).")
+        self.swapped_out_blocks = counter("swapped_out_blocks", "KV blocks copied to the host pool.")
+        self.swapped_in_blocks = counter("swapped_in_blocks", "KV blocks copied back from the host pool.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in tokens.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in tokens.")
+        self.mm_cache_queries = counter("mm_cache_queries", "Multi-modal cache queries, in items (reference audio).")
+        self.mm_cache_hits = counter("mm_cache_hits", "Multi-modal cache hits, in items (reference audio).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self.success = Counter(p + "request_success", "Finished requests by finish reason.",
@@ -45,15 +56,19 @@ class EngineMetrics:
         self._model_name = model_name
         self._tokens: dict[str, int] = {}
         self._last_time: dict[str, float] = {}
-        self._seen_preemptions = 0
+        self._seen: dict[str, int] = {}  # counter name -> the engine's total at the last step
+        self._seen_prefix = (0, 0)  # (queries, hits)
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], now: float) -> None:
         sched = engine.scheduler
         self.running.set(len(sched.running))
         self.waiting.set(len(sched.waiting))
         self.kv_usage.set(engine.kv_cache.pool.usage)
-        self.preemptions.inc(sched.num_preemptions - self._seen_preemptions)
-        self._seen_preemptions = sched.num_preemptions
+        self._on_preemptions(engine)
+        stats = engine.prefix_cache_stats
+        self.prefix_queries.inc(stats.queries - self._seen_prefix[0])
+        self.prefix_hits.inc(stats.hits - self._seen_prefix[1])
+        self._seen_prefix = (stats.queries, stats.hits)
         self.batch_size.observe(engine.last_step_num_requests)
         for out in outputs:
             rid = out.request_id
@@ -76,6 +91,26 @@ class EngineMetrics:
                     self.success.labels(self._model_name, c.finish_reason or "abort").inc()
                 self._tokens.pop(rid, None)
                 self._last_time.pop(rid, None)
+
+    def _on_preemptions(self, engine: LLMEngine) -> None:
+        self.swapped.set(len(engine.scheduler.swapped))
+        self.swap_usage.set(engine.kv_cache.swap_usage)
+        pre, swap = engine.preemption_stats, engine.swap_stats
+        self._advance(self.preemptions["swap"], "swap", pre.swap)
+        self._advance(self.preemptions["recompute"], "recompute", pre.recompute)
+        self._advance(self.swapped_out_blocks, "out", swap.swapped_out_blocks)
+        self._advance(self.swapped_in_blocks, "in", swap.swapped_in_blocks)
+
+    def _advance(self, counter, key: str, total: int) -> None:
+        """Move a Prometheus counter up to the engine's running total."""
+        counter.inc(total - self._seen.get(key, 0))
+        self._seen[key] = total
+
+    def on_mm_cache_lookup(self, hit: bool) -> None:
+        """A lookup in the cache of encoded reference audio (called on the event loop)."""
+        self.mm_cache_queries.inc()
+        if hit:
+            self.mm_cache_hits.inc()
 
     def forget(self, request_id: str) -> None:
         """An aborted request produces no final output: drop its bookkeeping."""

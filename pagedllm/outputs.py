@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 @dataclass
 class Logprob:
@@ -29,6 +31,10 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    # Audio models: the generated codes, (frames, num_codebooks), delay pattern and stream bos/eos removed
+    # (what an audio tokenizer decodes). While streaming: the frames whose every codebook is known so far.
+    # `text` is then "" and `token_ids` holds the audio placeholder tokens (and the final eos).
+    audio_codes: torch.Tensor | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

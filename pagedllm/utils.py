@@ -4,3 +4,8 @@
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: how many blocks of size b hold a items."""
     return -(-a // b)
+
+
+def gib_to_bytes(gib: float) -> int:
+    """A size given in GiB (vLLM's --cpu-offload-gb, --swap-space) in bytes."""
+    return int(gib * (1 << 30))

@@ -19,7 +19,8 @@ from pagedllm.memory.dry_run import dry_run_plan
 from pagedllm.memory.plan import GiB, KiB
 
 ALLOWED_FLAGS = {"--max-model-len", "--gpu-memory-utilization", "--dtype", "--max-num-batched-tokens",
-                 "--kv-cache-memory", "--num-gpu-blocks-override"}
+                 "--kv-cache-memory", "--num-gpu-blocks-override", "--kv-cache-dtype",
+                 "--quantization", "--cpu-offload-gb"}
 SEED = ["plan", "llama-3.2-3b", "--device", "cuda", "--device-memory", "119.7GiB", "--device-memory-used", "90GiB",
         "--unified-memory", "--gpu-memory-utilization", "0.8", "--max-model-len", "2048"]
 JSON_KEYS = ("fits", "device_total_bytes", "device_used_bytes", "budget_bytes", "weights_bytes",

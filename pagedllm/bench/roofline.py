@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from pagedllm.config import QUANTIZATION_METHODS
+
 
 def _best_time(fn, repeats: int) -> float:
     fn()  # warm-up (page faults, kernel selection)
@@ -73,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="qwen2.5-0.5b")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS), help="as the engine flag")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm.memory.model_size import kv_bytes_per_token, num_params_from_config
 
     bw = measure_bandwidth(parse_size(args.bandwidth_bytes))
-    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype,
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
               max_model_len=args.prompt_len + args.steps + 16, max_num_seqs=max(args.batch_sizes))
     cfg = llm.llm_engine.config.model
     rate = measure_matmul(cfg.dtype)

@@ -20,15 +20,20 @@ class BenchRequest:
 
 
 def random_requests(num_prompts: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
-                    seed: int) -> list[BenchRequest]:
-    """Random token ids (ids 10.. to stay clear of the usual special tokens), lengths within +-range_ratio."""
+                    seed: int, prefix_len: int = 0) -> list[BenchRequest]:
+    """Random token ids (ids 10.. to stay clear of the usual special tokens), lengths within +-range_ratio.
+
+    With prefix_len, every prompt starts with the same prefix_len random tokens (a shared system
+    prompt), followed by its own input_len random tokens, as vLLM's --random-prefix-len.
+    """
     rng = random.Random(seed)
 
     def length(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
 
     hi = min(vocab_size, 32000) - 1
-    return [BenchRequest([rng.randint(10, hi) for _ in range(length(input_len))], length(output_len))
+    prefix = [rng.randint(10, hi) for _ in range(prefix_len)]
+    return [BenchRequest(prefix + [rng.randint(10, hi) for _ in range(length(input_len))], length(output_len))
             for _ in range(num_prompts)]
 
 
@@ -62,7 +67,17 @@ def make_llm(args):
     return LLM(engine_args.pop("model"), **engine_args)
 
 
-def run_pagedllm(args, requests: list[BenchRequest], llm=None) -> float:
+def preemption_counts(llm) -> dict[str, int]:
+    """The engine's preemption and swap totals so far."""
+    engine = llm.llm_engine
+    pre, swap = engine.preemption_stats, engine.swap_stats
+    return {"swap_preemptions": pre.swap, "recompute_preemptions": pre.recompute,
+            "recomputed_tokens": pre.recomputed_tokens, "swapped_out_blocks": swap.swapped_out_blocks,
+            "swapped_in_blocks": swap.swapped_in_blocks}
+
+
+def run_pagedllm(args, requests: list[BenchRequest], llm=None, report: dict | None = None) -> float:
+    """Seconds for the whole batch; `report` receives that run's preemption counts."""
     from pagedllm import SamplingParams
 
     llm = llm or make_llm(args)
@@ -70,9 +85,13 @@ def run_pagedllm(args, requests: list[BenchRequest], llm=None) -> float:
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
               for r in requests]
     llm.generate(prompts[:2], [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False)  # warm-up
+    before = preemption_counts(llm)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=True)
-    return time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    if report is not None:
+        report.update({k: v - before[k] for k, v in preemption_counts(llm).items()})
+    return elapsed
 
 
 def _hf_model(args):
@@ -139,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--range-ratio", type=float, default=0.0)
+    p.add_argument("--prefix-len", "--random-prefix-len", type=int, default=0,
+                   help="a shared prefix of this many random tokens before each prompt (prefix caching workloads)")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--hf-batch-size", type=int, nargs="+", default=[16])
@@ -160,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dataset == "random":
         vocab = load_hf_config(path).vocab_size
         requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, vocab,
-                                   args.seed)
+                                   args.seed, args.prefix_len)
     else:
         from transformers import AutoTokenizer
 
@@ -171,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     out_tokens = sum(r.output_len for r in requests)
     results = []
     for backend in backends:
-        runs = [("pagedllm", None, lambda: run_pagedllm(args, requests))] if backend == "pagedllm" else []
+        preemptions: dict[str, int] = {}
+        runs = [("pagedllm", None, lambda p=preemptions: run_pagedllm(args, requests, report=p))
+                ] if backend == "pagedllm" else []
         if backend == "transformers":
             model = _hf_model(args)
             runs = [("transformers", bs, lambda bs=bs, model=model: run_transformers(args, requests, bs, model))
@@ -190,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
             label = name + (f" (batch {bs})" if bs else "")
             print(f"{label}: {r['requests_per_second']:.2f} requests/s, {r['total_tokens_per_second']:.1f} total "
                   f"tokens/s, {r['output_tokens_per_second']:.1f} output tokens/s ({elapsed:.1f} s)", flush=True)
+            if name == "pagedllm":
+                r.update(preemptions)
+                print(f"pagedllm preemptions: {preemptions['swap_preemptions']} swap "
+                      f"({preemptions['swapped_out_blocks']} blocks out, {preemptions['swapped_in_blocks']} in), "
+                      f"{preemptions['recompute_preemptions']} recompute "
+                      f"({preemptions['recomputed_tokens']} computed tokens dropped)", flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "backend"} | {"backends": backends,
                 "num_requests": len(requests), "input_tokens": in_tokens, "output_tokens": out_tokens}
     if args.output_json:

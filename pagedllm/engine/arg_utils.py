@@ -6,9 +6,18 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from pagedllm.config import LOAD_FORMATS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from pagedllm.config import (
+    LOAD_FORMATS,
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_dtype,
+)
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.model_files import has_tokenizer, load_hf_config, resolve_model_path
+from pagedllm.utils import gib_to_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +60,18 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory: int | str | None = None
     num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), bfloat16, float16, float32, fp8, fp8_e4m3, fp8_e5m2
+    enable_prefix_caching: bool = True
     enforce_eager: bool = False
     load_format: str = "auto"
     device: str = "auto"
+    quantization: str | None = None  # "int8": weight-only int8 decoder Linears, quantized at load
+    cpu_offload_gb: float = 0.0  # GiB of whole decoder layers' weights kept in host memory (CUDA only)
+    swap_space: float = 0.0  # GiB of host memory for preempted requests' KV blocks (vLLM's default: 4)
+    preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when there is swap space and it pays
+    # Audio models: False turns off repetition-aware sampling (RAS), which the checkpoint's generation_config.json
+    # may set (ras_win_len / ras_win_max_num_repeat); RAS redraws repeated codes at random, even for greedy requests.
+    repetition_aware_sampling: bool = True
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -76,6 +94,8 @@ class EngineArgs:
             raise ValueError(f"{path} is a config file, not a model folder: pass load_format='dummy' to run "
                              f"its shape with random weights.")
         hf_config = load_hf_config(path)
+        self._verify_quantization(hf_config)
+        cpu_offload_bytes = self._cpu_offload_bytes(device)
         from pagedllm.model_executor.models.registry import get_model_class
 
         architecture, _ = get_model_class(hf_config)
@@ -89,18 +109,50 @@ class EngineArgs:
             model=self.model, path=path, hf_config=hf_config, architecture=architecture, dtype=dtype,
             max_model_len=max_model_len, max_model_len_auto=self.max_model_len in ("auto", -1),
             load_format=self.load_format, seed=self.seed,
-            tokenizer=tokenizer,
+            tokenizer=tokenizer, quantization=self.quantization, cpu_offload_bytes=cpu_offload_bytes,
+            repetition_aware_sampling=self.repetition_aware_sampling,
         )
         cache = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
-            kv_cache_memory_bytes=parse_size(self.kv_cache_memory),
+            kv_cache_memory_bytes=parse_size(self.kv_cache_memory), cache_dtype=self.kv_cache_dtype,
+            enable_prefix_caching=self.enable_prefix_caching, swap_space_bytes=self._swap_space_bytes(),
         )
         batched = self.max_num_batched_tokens or 2048
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-                                    max_model_len=max_model_len)
+                                    max_model_len=max_model_len, preemption_mode=self.preemption_mode)
         return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, device=device,
                             enforce_eager=self.enforce_eager)
+
+    def _verify_quantization(self, hf_config) -> None:
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None (off); "
+                             f"got {self.quantization!r}.")
+        checkpoint_quant = getattr(hf_config, "quantization_config", None)
+        if checkpoint_quant and self.load_format != "dummy":
+            method = (checkpoint_quant.get("quant_method") if isinstance(checkpoint_quant, dict)
+                      else getattr(checkpoint_quant, "quant_method", None))
+            raise UnsupportedModelError(
+                f"this checkpoint is already quantized (config.json has a quantization_config, quant_method "
+                f"{method!r}); pagedllm loads 16/32-bit checkpoints only. Use the unquantized checkpoint, with "
+                f"--quantization int8 for int8 weights.")
+
+    def _cpu_offload_bytes(self, device: str) -> int:
+        """--cpu-offload-gb in bytes; refused where there is no accelerator memory to relieve."""
+        if not isinstance(self.cpu_offload_gb, (int, float)) or self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {self.cpu_offload_gb!r}.")
+        if self.cpu_offload_gb and device == "cpu":
+            raise ValueError(
+                f"--cpu-offload-gb {self.cpu_offload_gb:g} has nothing to do on a CPU-only engine (device cpu): "
+                f"offloading moves weights from accelerator memory to host memory, and here the weights already "
+                f"live in host memory. Remove --cpu-offload-gb; to make the weights smaller, use "
+                f"--quantization int8 (or --dtype bfloat16).")
+        return gib_to_bytes(self.cpu_offload_gb)
+
+    def _swap_space_bytes(self) -> int:
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}.")
+        return gib_to_bytes(self.swap_space)
 
     def _max_model_len(self, hf_config) -> int:
         derived = getattr(hf_config, "max_position_embeddings", None)

@@ -53,7 +53,7 @@ class AsyncLLMEngine:
 
     # -- called from the event loop ----------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          strict_length: bool = False) -> AsyncIterator[RequestOutput]:
+                          strict_length: bool = False, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Submit a request and return the stream of its outputs (cumulative, one per step).
 
         Invalid input raises here, before anything is queued. Leaving the stream early (a client
@@ -64,7 +64,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop())
         future: Future = Future()
-        self._commands.put(("add", request_id, prompt, params, strict_length, stream, future))
+        self._commands.put(("add", request_id, prompt, params, strict_length, priority, stream, future))
         await asyncio.wrap_future(future)  # raises the validation error, if any
         return self._outputs(request_id, stream)
 
@@ -101,9 +101,10 @@ class AsyncLLMEngine:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, request_id, prompt, params, strict_length, stream, future = cmd
+            _, request_id, prompt, params, strict_length, priority, stream, future = cmd
             try:
-                self.engine.add_request(request_id, prompt, params, stream=True, strict_length=strict_length)
+                self.engine.add_request(request_id, prompt, params, stream=True, strict_length=strict_length,
+                                        priority=priority)
             except Exception as e:  # bad input: back to the caller, the engine is untouched
                 future.set_exception(e)
                 return

@@ -6,16 +6,18 @@ import logging
 from dataclasses import dataclass, replace
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.audio_inputs import AudioGeneration, AudioPrompt, refuse_audio
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
-from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, SwapStats
 from pagedllm.engine.request import FINISH_REASONS, Request, RequestStatus
-from pagedllm.engine.scheduler import Scheduler
+from pagedllm.engine.scheduler import PreemptionStats, Scheduler
 from pagedllm.errors import InvalidPromptError
-from pagedllm.memory.device import DeviceMemory, device_memory
+from pagedllm.memory.device import DeviceMemory, device_memory, host_memory
 from pagedllm.memory.facts import device_facts, measured_model_facts, settings_from
 from pagedllm.memory.model_size import estimate_activation_bytes
 from pagedllm.memory.plan import MemoryPlan
 from pagedllm.memory.profiler import runtime_overhead_bytes
+from pagedllm.model_executor.audio_sampling import verify_audio_sampling_params
 from pagedllm.model_executor.model_files import generation_eos_ids
 from pagedllm.model_executor.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -65,9 +67,15 @@ class LLMEngine:
         self.config = config
         logger.info("memory plan:\n%s", self.memory_plan.table())
         self.runner.allocate_kv_cache(self.memory_plan.num_blocks)
-        self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, config.cache.block_size)
+        self.num_swap_blocks = self._allocate_swap_space(config.cache.swap_space_bytes)
+        self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, config.cache.block_size,
+                                       enable_caching=config.cache.enable_prefix_caching,
+                                       num_swap_blocks=self.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.eos_token_ids = self._eos_token_ids()
+        # Audio models (None for text ones): how prompts carry audio and requests sample frames.
+        self.audio = AudioGeneration.for_model(self.runner.model, config.model.path,
+                                               config.model.repetition_aware_sampling)
         self._groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self._ids = itertools.count()
@@ -93,7 +101,22 @@ class LLMEngine:
                                                    settings.max_num_batched_tokens, settings.max_num_seqs)
         facts = measured_model_facts(config.model.hf_config, config.model.model_max_len, settings, weights,
                                      activation, overhead, source)
-        return MemoryPlan(settings, device_facts(at_start), facts)
+        host = host_memory() if device.type != "cpu" else None  # where a GPU's swap space goes
+        return MemoryPlan(settings, device_facts(at_start, host=host), facts)
+
+    def _allocate_swap_space(self, swap_space_bytes: int) -> int:
+        """Host blocks for --swap-space, sized by the bytes per block of the KV cache as allocated (its
+        dtype, e.g. fp8, and layout), not by the model dtype. Returns how many."""
+        if not swap_space_bytes:
+            return 0
+        block_bytes = self.runner.kv_block_bytes
+        num_blocks = swap_space_bytes // block_bytes
+        if num_blocks < 1:  # the plan refuses this first; here in case the two ever disagree
+            raise ValueError(f"--swap-space ({swap_space_bytes} bytes) is smaller than one KV block ({block_bytes} "
+                             f"bytes)")
+        self.runner.allocate_swap_space(num_blocks)
+        logger.info("swap space: %d blocks x %d bytes in host memory", num_blocks, block_bytes)
+        return num_blocks
 
     @staticmethod
     def _with_max_model_len(config: EngineConfig, max_model_len: int) -> EngineConfig:
@@ -141,6 +164,14 @@ class LLMEngine:
         # The template already holds the special tokens (BOS): don't add them twice.
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 
+    @staticmethod
+    def _cache_salt(prompt: PromptType) -> str | None:
+        """A prompt dict's `cache_salt`: requests with different salts never share cached blocks."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise InvalidPromptError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return salt
+
     def _validate_prompt(self, ids: list[int]) -> None:
         max_len = self.config.model.max_model_len
         if not ids:
@@ -155,15 +186,22 @@ class LLMEngine:
             raise InvalidPromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    stream: bool = False, strict_length: bool = False) -> str:
+                    stream: bool = False, strict_length: bool = False, priority: int = 0) -> str:
         """Queue a prompt. With `strict_length`, prompt + max_tokens over max_model_len is an error
-        (the server's rule) instead of generation ending at max_model_len (the offline rule)."""
+        (the server's rule) instead of generation ending at max_model_len (the offline rule).
+        `priority` (vLLM's: lower is more important) decides who is preempted first when blocks run out."""
         params = params or SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        audio_prompt = self._audio_prompt(prompt, ids, params)
+        if audio_prompt is not None:
+            ids = audio_prompt.token_ids  # its audio tokens expanded to one placeholder per frame
         self._validate_prompt(ids)
+        cache_salt = self._cache_salt(prompt)
         max_len = self.config.model.max_model_len
         if strict_length and params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
             raise InvalidPromptError(
@@ -182,10 +220,14 @@ class LLMEngine:
         for j in range(params.n):
             child_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + j)
+            # The n samples are queued one after another: the later ones hit the first one's prompt
+            # blocks in the prefix cache, even when all are scheduled in the same step.
             req = Request(f"{request_id}" if params.n == 1 else f"{j}_{request_id}", ids, child_params,
-                          self.eos_token_ids, self.config.model.max_model_len)
+                          self.eos_token_ids if audio_prompt is None else set(),  # audio ends by its codes
+                          self.config.model.max_model_len, cache_salt=cache_salt, priority=priority,
+                          **self._audio_request_args(audio_prompt, child_params))
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and audio_prompt is None:  # audio outputs have no text
                 detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                                params.spaces_between_special_tokens, params.stop,
                                                params.include_stop_str_in_output)
@@ -196,6 +238,19 @@ class LLMEngine:
         for seq in group.sequences:
             self.scheduler.add_request(seq.request)
         return request_id
+
+    def _audio_prompt(self, prompt: PromptType, ids: list[int], params: SamplingParams) -> AudioPrompt | None:
+        """An audio model's prompt with its audio checked and expanded; None for a text model."""
+        if self.audio is None:
+            refuse_audio(prompt)
+            return None
+        verify_audio_sampling_params(params)
+        return self.audio.prompt(prompt, ids)
+
+    def _audio_request_args(self, audio_prompt: AudioPrompt | None, params: SamplingParams) -> dict:
+        if audio_prompt is None:
+            return {}
+        return {"prompt_frames": audio_prompt.frames, "audio_state": self.audio.new_state(audio_prompt, params.seed)}
 
     def abort_request(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)
@@ -294,6 +349,7 @@ class LLMEngine:
                 logprobs=list(req.output_logprobs) if want_lp else None,
                 finish_reason=FINISH_REASONS.get(req.status),
                 stop_reason=req.stop_reason,
+                audio_codes=self.audio.output_codes(req) if req.audio_state is not None else None,
             ))
         reqs = [seq.request for seq in group.sequences]
         scheduled = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
@@ -302,5 +358,21 @@ class LLMEngine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
                              group.prompt_logprobs, outs, group.finished, metrics)
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix cache queries and hits so far, in tokens."""
+        return self.kv_cache.prefix_cache_stats
+
+    @property
+    def preemption_stats(self) -> PreemptionStats:
+        """Preemptions so far by kind (swap, recompute) and the computed tokens recompute dropped."""
+        return self.scheduler.preemption_stats
+
+    @property
+    def swap_stats(self) -> SwapStats:
+        """Blocks swapped out to and in from the host pool so far."""
+        return self.kv_cache.swap_stats
+
     def check_integrity(self) -> None:
+        """No block leaked or double-owned in the device pool or the host (swap) pool."""
         self.kv_cache.check_integrity()

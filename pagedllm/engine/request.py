@@ -3,26 +3,33 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from pagedllm.model_executor.audio_sampling import AudioGenerationState
+
+Frame = tuple[int, ...]  # one audio position's codes, one per codebook
+
 
 class RequestStatus(enum.IntEnum):
-    """Statuses greater than PREEMPTED are finished."""
+    """Statuses greater than SWAPPED are finished."""
 
     WAITING = 0
     RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    PREEMPTED = 2  # preempted by recompute: waiting, its K/V dropped
+    SWAPPED = 3  # preempted by swap: its K/V in the host (swap) pool until it is swapped back in
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self > RequestStatus.SWAPPED
 
 
 FINISH_REASONS = {
@@ -48,6 +55,10 @@ class Request:
         eos_token_ids: set[int],
         max_model_len: int,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        prompt_frames: list[Frame | None] | None = None,
+        audio_state: AudioGenerationState | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -60,11 +71,23 @@ class Request:
         self.stop_reason: int | str | None = None
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self.num_preemptions = 0
+        # vLLM's convention: a lower value is a higher priority. When blocks run out, the running
+        # request with the largest (priority, arrival_time) is preempted first.
+        self.priority = priority
         self.first_scheduled_time: float | None = None
         # Generation may not run past the context window.
         max_tokens = sampling_params.max_tokens
         room = max_model_len - self.num_prompt_tokens
         self.max_output_tokens = room if max_tokens is None else min(max_tokens, room)
+        # Prefix caching: requests with different salts never share blocks. The chain hashes of the
+        # full blocks of all_token_ids are filled in (and extended) by the KVCacheManager.
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        # Multi-codebook audio models: a position is an audio frame (a vector of codes) or a text token.
+        # `prompt_frames` is aligned with the prompt (None at text positions); every generated position is
+        # a frame, kept in order by `audio_state` (which also rules how the next one is sampled).
+        self.prompt_frames = prompt_frames
+        self.audio_state = audio_state
         # Sampling state.
         # A seeded request samples from its own generator (made by the sampler on the model's
         # device), so its output does not depend on what else is in the batch.
@@ -92,6 +115,23 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def has_audio(self) -> bool:
+        """Positions of this request carry audio frames (its prompt's, or generated ones)."""
+        return self.prompt_frames is not None or self.audio_state is not None
+
+    def frames(self, start: int, end: int) -> list[Frame | None]:
+        """The frames of positions [start, end) (None at text positions). Only for `has_audio` requests."""
+        p = self.num_prompt_tokens
+        out: list[Frame | None] = []
+        if start < p:
+            prompt = self.prompt_frames
+            out.extend(prompt[start:min(end, p)] if prompt is not None else [None] * (min(end, p) - start))
+        if end > p:
+            generated = self.audio_state.frames if self.audio_state is not None else []
+            out.extend(tuple(f) for f in generated[max(start, p) - p:end - p])
+        return out
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -3,6 +3,12 @@
 There is no prefill phase and no decode phase: every request's computed-token count catches up
 with its token count under a per-step token budget, so chunked prefill, decode and recompute
 after preemption are one mechanism.
+
+Preemption: running requests are scheduled in (priority, arrival_time) order; when the device pool
+runs out, the one with the largest (priority, arrival_time) among those not yet scheduled this step
+(the least important, else the newest) gives its blocks back, by swap (its blocks are
+copied to the host pool and come back, computed tokens kept, when blocks free up) or by recompute
+(its K/V is dropped and it rejoins the front of the waiting queue). See `_swaps`.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.engine.kv_cache_manager import KVCacheManager
+from pagedllm.engine.kv_cache_manager import BlockCopy, KVCacheManager
 from pagedllm.engine.request import Request, RequestStatus
 
 
@@ -31,15 +37,39 @@ class ScheduledRequest:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # by recompute: their K/V is dropped
+    swapped_out: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)  # also in `scheduled`
+    # K/V block copies the model runner makes before this step's forward: swap-outs first (their
+    # device blocks may be written by this step), then swap-ins. A step has one kind or none.
+    blocks_to_swap_out: list[BlockCopy] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[BlockCopy] = field(default_factory=list)  # (host block, device block)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def has_block_copies(self) -> bool:
+        return bool(self.blocks_to_swap_out or self.blocks_to_swap_in)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing to run: no request to compute and no block to copy."""
+        return not self.scheduled and not self.has_block_copies
+
+
+@dataclass
+class PreemptionStats:
+    """Preemptions since start, by kind."""
+
+    recompute: int = 0
+    swap: int = 0
+    recomputed_tokens: int = 0  # computed tokens whose K/V recompute preemptions dropped
+
+    @property
+    def total(self) -> int:
+        return self.recompute + self.swap
 
 
 class Scheduler:
@@ -48,18 +78,24 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.swapped: list[Request] = []  # swapped out, kept in (priority, arrival) order
+        self.preemption_stats = PreemptionStats()
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions of both kinds since start."""
+        return self.preemption_stats.total
 
     # -- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.swapped)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """End a request wherever it is (stop string, abort) and return its blocks."""
@@ -69,35 +105,76 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.swapped:
+            self.swapped.remove(request)
         request.status = status
         self.kv_cache.free(request)
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        # Others join only when nobody had to give blocks back this step: swapped-out requests first,
+        # then (once all of those are back) the waiting queue.
+        if out.preempted or out.swapped_out:
+            return out
+        budget = self._schedule_swapped(out, budget)
+        if not self.swapped:
+            self._schedule_waiting(out, budget)
+        return out
 
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests in (priority, arrival) order: the most important get their blocks first,
+        and the victims come from the end. A stable sort: ties keep the order they joined in."""
+        self.running.sort(key=lambda r: (r.priority, r.arrival_time))
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(req, n):
-                victim = self.running.pop()  # the newest running request gives its blocks back
-                self._preempt(victim)
-                out.preempted.append(victim)
+                victim = self._pop_victim(i)
+                self._preempt(victim, out)
                 if victim is req:
                     break
             else:
                 out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.block_table(req.request_id)))
                 budget -= n
                 i += 1
+        return budget
 
-        # New (or preempted) requests join only when nobody had to give blocks back this step.
-        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+    def _pop_victim(self, first: int) -> Request:
+        """The lowest-priority running request not yet scheduled this step (running[first:]): the
+        largest (priority, arrival_time), the later in the running list on a tie. Requests already
+        scheduled keep their blocks: the step's new blocks may already be offered to the prefix cache."""
+        running = self.running
+        j = max(range(first, len(running)), key=lambda k: (running[k].priority, running[k].arrival_time, k))
+        return running.pop(j)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        """Swap requests back in, in (priority, arrival) order, while their blocks and next tokens fit."""
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(req, n):
+            copies = self.kv_cache.swap_in(req, n)
+            if copies is None:
                 break
+            self.swapped.pop(0)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.blocks_to_swap_in.extend(copies)
+            out.swapped_in.append(req)
+            out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.block_table(req.request_id)))
+            budget -= n
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            prefix = self.kv_cache.find_cached_prefix(req)  # a waiting request holds no blocks
+            n = min(req.num_tokens - prefix.num_tokens, budget)
+            if not self.kv_cache.allocate_slots(req, n, prefix):
+                break
+            req.num_computed_tokens = prefix.num_tokens
             self.waiting.popleft()
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
@@ -105,16 +182,44 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.block_table(req.request_id)))
             budget -= n
-        return out
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        request.num_preemptions += 1
+        if self._swaps(request):
+            self._swap_out(request, out)
+        else:
+            self._recompute(request, out)
+
+    def _swaps(self, request: Request) -> bool:
+        """Swap or recompute. Recompute when the host pool has no room for the request's blocks (or
+        there is none, or --preemption-mode recompute). Forced swap (--preemption-mode swap) swaps
+        whenever it has room. Otherwise (automatic) swap only a request that has computed at least one
+        full block: a shorter prefix is recomputed within one step's token budget, riding along with
+        the other requests' tokens, which costs less than two copies plus the host blocks it would
+        hold (and it holds no full block the prefix cache could give back)."""
+        mode = self.config.preemption_mode
+        if mode == "recompute" or not self.kv_cache.can_swap_out(request):
+            return False
+        return mode == "swap" or request.num_computed_tokens >= self.kv_cache.block_size
+
+    def _swap_out(self, request: Request, out: SchedulerOutput) -> None:
+        """Swap preemption: the K/V moves to the host pool; the request resumes where it stopped."""
+        out.blocks_to_swap_out.extend(self.kv_cache.swap_out(request))
+        request.status = RequestStatus.SWAPPED
+        self.preemption_stats.swap += 1
+        self.swapped.append(request)
+        self.swapped.sort(key=lambda r: (r.priority, r.arrival_time))  # stable: ties keep swap-out order
+        out.swapped_out.append(request)
+
+    def _recompute(self, request: Request, out: SchedulerOutput) -> None:
         """Recompute preemption: drop the request's K/V; it resumes from its tokens later."""
         self.kv_cache.free(request)
+        self.preemption_stats.recompute += 1
+        self.preemption_stats.recomputed_tokens += request.num_computed_tokens
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
+        out.preempted.append(request)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Advance cursors, append sampled tokens, apply token-level stops. Returns finished requests."""
@@ -137,6 +242,8 @@ class Scheduler:
     @staticmethod
     def _check_stop(req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
+        if req.audio_state is not None and req.audio_state.finished:  # every codebook emitted stream eos
+            return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.min_tokens:  # the sampler masked stops until then
             if token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED

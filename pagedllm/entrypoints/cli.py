@@ -5,6 +5,7 @@ import argparse
 import logging
 import sys
 
+from pagedllm.config import KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATION_METHODS
 from pagedllm.engine.arg_utils import EngineArgs
 
 
@@ -25,9 +26,30 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="fraction of device memory the engine may take (on CPU: of host memory)")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 4GiB (overrides the utilization)")
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    g.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="storage dtype of the KV cache: auto = the model dtype, fp8 = fp8_e4m3 (half a 16-bit "
+                        "cache; per-tensor k/v scales from the checkpoint, else 1.0)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV cache of prompts' shared prefixes (full blocks); on by default")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="int8: weight-only int8 decoder Linears (per-output-channel scales), quantized at load; "
+                        "embeddings and LM head stay in --dtype")
+    g.add_argument("--cpu-offload-gb", type=float, default=0.0,
+                   help="GiB of weights (whole decoder layers, the last first) kept in host memory and copied "
+                        "to the GPU layer by layer; CUDA only")
+    g.add_argument("--swap-space", type=float, default=0.0,
+                   help="GiB of host memory for the KV blocks of preempted requests, swapped out and back in "
+                        "instead of recomputed. vLLM's default is 4 (and its V1 engine ignores the flag); "
+                        "pagedllm's is 0: no swap space, preempted requests recompute")
+    g.add_argument("--preemption-mode", default=None, choices=list(PREEMPTION_MODES),
+                   help="force swap (needs --swap-space) or recompute preemption; default: swap when there is "
+                        "swap space and the request has computed at least one block, else recompute")
+    g.add_argument("--repetition-aware-sampling", action=argparse.BooleanOptionalAction, default=True,
+                   help="audio models: repetition-aware sampling as the checkpoint's generation_config.json sets it "
+                        "(ras_win_len); --no-repetition-aware-sampling turns it off")
 
 
 def _max_model_len(value: str) -> int | str:
@@ -67,7 +89,12 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         ns.model = ns.model_pos
     plan = dry_run_plan(engine_args_from(ns), device=ns.device, device_memory=ns.device_memory,
                         device_memory_used=ns.device_memory_used, unified=ns.unified_memory,
+                        host_memory=ns.host_memory,
                         tensor_parallel_size=ns.tensor_parallel_size)
+    if ns.audio_tokenizer_type is not None or ns.audio_tokenizer_path is not None:
+        from pagedllm.audio.memory import with_planned_audio_tokenizer
+
+        plan = with_planned_audio_tokenizer(plan, ns.audio_tokenizer_type, ns.audio_tokenizer_path)
     if ns.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
@@ -104,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     from pagedllm.entrypoints.openai.api_server import add_server_args
+    from pagedllm.entrypoints.openai.audio_args import add_audio_tokenizer_args
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible API server")
     serve.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (default: the built-in demo model)")
@@ -121,13 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory-used", default=None,
                       help="memory already held by other processes and the OS (default 0 with --device-memory)")
     plan.add_argument("--unified-memory", action="store_true", help="the device shares memory with the CPU")
+    plan.add_argument("--host-memory", default=None,
+                      help="with --device-memory: the host's memory beside it, where --swap-space goes "
+                           "(default: unknown, not checked)")
     plan.add_argument("--tensor-parallel-size", type=int, default=1,
                       help="plan per rank for N-way tensor parallelism (planning only: the engine runs tp=1)")
     add_engine_args(plan)
+    add_audio_tokenizer_args(plan)
     plan.set_defaults(func=_cmd_plan)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline, sweep", add_help=False)
-    bench.add_argument("kind", choices=["throughput", "serve", "roofline", "sweep"])
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline, sweep, audio", add_help=False)
+    bench.add_argument("kind", choices=["throughput", "serve", "roofline", "sweep", "audio"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
     return parser

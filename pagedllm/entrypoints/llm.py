@@ -48,8 +48,10 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of the prompts. One SamplingParams for all, or one per prompt."""
+        """Outputs in the order of the prompts. One SamplingParams for all, or one per prompt.
+        `priority`: one per prompt (vLLM's: lower is more important; decides who is preempted first)."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
@@ -64,7 +66,10 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
                                  f"pass one, or one per prompt")
-        return self._run(prompts, params_list, use_tqdm)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts; pass one per prompt")
+        return self._run(prompts, params_list, use_tqdm, priorities)
 
     def chat(
         self,
@@ -82,12 +87,14 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool,
+             priorities: list[int] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
+        priorities = priorities or [0] * len(prompts)
         try:
-            for prompt, params in zip(prompts, params_list):
-                ids.append(engine.add_request(None, prompt, params))
+            for prompt, params, priority in zip(prompts, params_list, priorities):
+                ids.append(engine.add_request(None, prompt, params, priority=priority))
         except Exception:
             for rid in ids:
                 engine.abort_request(rid)

@@ -8,6 +8,7 @@ import torch
 from pagedllm.engine.arg_utils import EngineArgs, parse_size
 from pagedllm.memory.device import DeviceMemory
 from pagedllm.memory.device import device_memory as measure_device_memory
+from pagedllm.memory.device import host_memory as host_memory_of_this_machine
 from pagedllm.memory.facts import device_facts, dry_run_model_facts, settings_from
 from pagedllm.memory.plan import MemoryPlan
 from pagedllm.model_executor.model_files import resolve_model_path, weight_files
@@ -15,7 +16,9 @@ from pagedllm.model_executor.model_files import resolve_model_path, weight_files
 
 def dry_run_plan(args: EngineArgs, device: str = "auto", device_memory: str | None = None,
                  device_memory_used: str | None = None, unified: bool = False,
-                 tensor_parallel_size: int = 1) -> MemoryPlan:
+                 tensor_parallel_size: int = 1, host_memory: str | None = None) -> MemoryPlan:
+    """`host_memory`: the host's memory beside a given device (where its swap space goes); unknown when
+    not given. A measured device's host is measured too."""
     if tensor_parallel_size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}.")
     if device == "auto":
@@ -28,7 +31,8 @@ def dry_run_plan(args: EngineArgs, device: str = "auto", device_memory: str | No
         if not 0 <= used <= total:
             raise ValueError(f"--device-memory-used must be between 0 and --device-memory ({device_memory}), "
                              f"got {device_memory_used!r}.")
-        facts = device_facts(DeviceMemory(device, total, used, unified, ""), source="given")
+        facts = device_facts(DeviceMemory(device, total, used, unified, ""), source="given",
+                             host=_given_host(device, host_memory))
     else:
         if device_memory_used is not None:
             raise ValueError("--device-memory-used needs --device-memory (the total it is part of).")
@@ -36,7 +40,10 @@ def dry_run_plan(args: EngineArgs, device: str = "auto", device_memory: str | No
             raise ValueError("there is no CUDA device here to measure: pass --device-memory SIZE "
                              "(and --device-memory-used SIZE) to plan for one.")
         mem = measure_device_memory(device)
-        facts = device_facts(replace(mem, unified=mem.unified or unified))
+        if host_memory is not None:
+            raise ValueError("--host-memory goes with --device-memory (a machine described, not measured).")
+        facts = device_facts(replace(mem, unified=mem.unified or unified),
+                             host=None if device == "cpu" else host_memory_of_this_machine())
 
     args = replace(args, device=device)
     if args.model is not None and resolve_model_path(args.model, args.revision).is_file():
@@ -48,3 +55,12 @@ def dry_run_plan(args: EngineArgs, device: str = "auto", device_memory: str | No
     files = weight_files(config.model.path) if config.model.load_format != "dummy" else []
     model = dry_run_model_facts(config.model.hf_config, files, config.model.model_max_len, device)
     return MemoryPlan(settings, facts, model)
+
+
+def _given_host(device: str, host_memory: str | None) -> DeviceMemory | None:
+    if host_memory is None or device == "cpu":  # on CPU the device is the host
+        return None
+    total = parse_size(host_memory)
+    if total <= 0:
+        raise ValueError(f"--host-memory must be > 0, got {host_memory!r}.")
+    return DeviceMemory("cpu", total, 0, unified=False, name="host memory")

@@ -1,6 +1,7 @@
 """The inputs of a memory plan: read from files for a dry run, or measured by a running engine."""
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 
 
@@ -8,7 +9,9 @@ from pagedllm.memory.device import DeviceMemory
 from pagedllm.memory.model_size import (
     estimate_activation_bytes,
     kv_bytes_per_token,
-    num_params_from_config,
+    layer_weight_bytes_from_config,
+    layer_weight_bytes_from_headers,
+    weight_bytes_from_config,
     weight_bytes_from_headers,
 )
 from pagedllm.memory.plan import GiB, MiB, DeviceFacts, ModelFacts, PlanSettings
@@ -18,30 +21,33 @@ from pagedllm.memory.plan import GiB, MiB, DeviceFacts, ModelFacts, PlanSettings
 ESTIMATED_OVERHEAD = {"cuda": 1 * GiB, "cpu": 512 * MiB}
 
 
-def device_facts(mem: DeviceMemory, source: str = "measured") -> DeviceFacts:
-    return DeviceFacts(mem.device, mem.total_bytes, mem.used_by_others_bytes, mem.unified, mem.name, source)
+def device_facts(mem: DeviceMemory, source: str = "measured", host: DeviceMemory | None = None) -> DeviceFacts:
+    """`host`: the host's memory, where the swap space of a discrete GPU goes (None on CPU: the device)."""
+    host_total, host_used = (host.total_bytes, host.used_by_others_bytes) if host is not None else (None, None)
+    return DeviceFacts(mem.device, mem.total_bytes, mem.used_by_others_bytes, mem.unified, mem.name, source,
+                       host_total, host_used)
 
 
 def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int, device: str) -> ModelFacts:
     """Weights from safetensors headers (exact) or config shapes; activations and overhead estimated."""
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     if weight_files:
-        def weights(s: PlanSettings) -> int:
-            return weight_bytes_from_headers(weight_files, s.dtype, tied) // s.tensor_parallel_size
+        all_bytes = cache(lambda dtype, quant: weight_bytes_from_headers(weight_files, dtype, tied, quant))
+        layer_bytes = cache(lambda dtype, quant: layer_weight_bytes_from_headers(weight_files, dtype, quant))
         weights_source = "safetensors headers"
     else:
-        params = num_params_from_config(hf_config)
-
-        def weights(s: PlanSettings) -> int:
-            return params * s.dtype.itemsize // s.tensor_parallel_size
+        all_bytes = cache(lambda dtype, quant: weight_bytes_from_config(hf_config, dtype, quant))
+        layer_bytes = cache(lambda dtype, quant: layer_weight_bytes_from_config(hf_config, dtype, quant))
         weights_source = "config shapes"
     return ModelFacts(
         model_max_len=model_max_len,
-        weight_bytes=weights,
+        weight_bytes=lambda s: all_bytes(s.dtype, s.quantization) // s.tensor_parallel_size,
+        layer_weight_bytes=lambda s: layer_bytes(s.dtype, s.quantization) // s.tensor_parallel_size,
+        num_layers=hf_config.num_hidden_layers,
         activation_bytes=lambda s: estimate_activation_bytes(hf_config, s.dtype, s.max_num_batched_tokens,
                                                              s.max_num_seqs, s.tensor_parallel_size),
         overhead_bytes=lambda s: ESTIMATED_OVERHEAD.get(device, 512 * MiB),
-        kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.dtype, s.tensor_parallel_size),
+        kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.kv_dtype, s.tensor_parallel_size),
         weights_source=weights_source,
     )
 
@@ -53,7 +59,12 @@ def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSetting
     by the ratio of the estimates, so fixes stay consistent with what was measured."""
 
     def weights(s: PlanSettings) -> int:
-        return weight_bytes * s.dtype.itemsize // measured_at.dtype.itemsize
+        if (s.dtype, s.quantization) == (measured_at.dtype, measured_at.quantization):
+            return weight_bytes
+
+        def est(x: PlanSettings) -> int:
+            return weight_bytes_from_config(hf_config, x.dtype, x.quantization)
+        return weight_bytes * est(s) // est(measured_at)
 
     def activations(s: PlanSettings) -> int:
         if (s.dtype, s.max_num_batched_tokens, s.max_num_seqs) == (
@@ -67,9 +78,11 @@ def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSetting
     return ModelFacts(
         model_max_len=model_max_len,
         weight_bytes=weights,
+        layer_weight_bytes=lambda s: layer_weight_bytes_from_config(hf_config, s.dtype, s.quantization),
+        num_layers=hf_config.num_hidden_layers,
         activation_bytes=activations,
         overhead_bytes=lambda s: overhead_bytes,
-        kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.dtype, s.tensor_parallel_size),
+        kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.kv_dtype, s.tensor_parallel_size),
         weights_source="measured",
         activation_source=activation_source,
         overhead_source="measured",
@@ -83,5 +96,7 @@ def settings_from(engine_config) -> PlanSettings:
         gpu_memory_utilization=c.cache.gpu_memory_utilization, block_size=c.cache.block_size,
         max_num_seqs=c.scheduler.max_num_seqs, max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
         kv_cache_memory_bytes=c.cache.kv_cache_memory_bytes,
-        num_gpu_blocks_override=c.cache.num_gpu_blocks_override,
+        num_gpu_blocks_override=c.cache.num_gpu_blocks_override, kv_cache_dtype=c.cache.cache_dtype,
+        quantization=c.model.quantization, cpu_offload_bytes=c.model.cpu_offload_bytes,
+        swap_space_bytes=c.cache.swap_space_bytes,
     )

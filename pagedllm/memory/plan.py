@@ -8,10 +8,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from pagedllm.config import resolve_kv_cache_dtype
 from pagedllm.errors import KVCacheMemoryError
-from pagedllm.utils import cdiv
+from pagedllm.model_executor.offload import num_offloaded_layers
+from pagedllm.utils import cdiv, gib_to_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+# vLLM's limits on --swap-space as a share of the host's total memory: refused above 70%, warned about
+# above 40%. pagedllm refuses the same, and never proposes more than 40%.
+SWAP_HOST_LIMIT, SWAP_HOST_ADVISED = 0.7, 0.4
 
 
 def fmt_bytes(n: float) -> str:
@@ -21,6 +26,10 @@ def fmt_bytes(n: float) -> str:
         if n >= size:
             return f"{sign}{n / size:.{2 if unit == 'GiB' else 1}f} {unit}"
     return f"{sign}{int(n)} B"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -36,10 +45,20 @@ class PlanSettings:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     tensor_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype; "auto" follows dtype
+    quantization: str | None = None  # --quantization int8: the decoder Linears' weights in int8
+    cpu_offload_bytes: int = 0  # --cpu-offload-gb, in bytes: whole decoder layers kept in host memory
+    swap_space_bytes: int = 0  # --swap-space, in bytes: host memory for the KV blocks of preempted requests
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the KV cache is stored in."""
+        return resolve_kv_cache_dtype(self.kv_cache_dtype, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -50,6 +69,10 @@ class DeviceFacts:
     unified: bool = False
     name: str = ""
     source: str = "measured"  # or "given" (plan flags)
+    # The host's memory, where the swap space goes on a discrete GPU (None: not measured; on CPU the
+    # device is the host).
+    host_total_bytes: int | None = None
+    host_used_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -61,9 +84,27 @@ class ModelFacts:
     activation_bytes: Callable[[PlanSettings], int]
     overhead_bytes: Callable[[PlanSettings], int]
     kv_bytes_per_token: Callable[[PlanSettings], int]
+    layer_weight_bytes: Callable[[PlanSettings], int] | None = None  # one decoder layer (None: no offload)
+    num_layers: int = 0
     weights_source: str = "config shapes"
     activation_source: str = "estimated"
     overhead_source: str = "estimated"
+
+
+@dataclass(frozen=True)
+class ComponentMemory:
+    """A model beside the LLM on the same device (the audio tokenizer of a speech model): its weights
+    and the peak of its largest call, both outside the KV cache. Its own line in the plan."""
+
+    name: str
+    weight_bytes: int
+    activation_bytes: int
+    source: str = "config shapes"  # or "measured"
+    detail: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.activation_bytes
 
 
 @dataclass(frozen=True)
@@ -78,11 +119,32 @@ class MemoryPlan:
     settings: PlanSettings
     device: DeviceFacts
     model: ModelFacts = None  # type: ignore[assignment]
+    components: tuple[ComponentMemory, ...] = ()  # models beside the LLM (an audio tokenizer)
 
     # -- the arithmetic -------------------------------------------------------------------------
     @property
     def weight_bytes(self) -> int:
-        return self.model.weight_bytes(self.settings)
+        """Weights in device memory: all of them, less the layers offloaded to host memory, plus the
+        transient copy of one of those while it runs (on unified memory, offloading saves nothing)."""
+        total = self.model.weight_bytes(self.settings)
+        if not self.offloaded_layers:
+            return total
+        saved = 0 if self.device.unified else self.offloaded_weight_bytes
+        return total - saved + self.model.layer_weight_bytes(self.settings)
+
+    @property
+    def offloaded_layers(self) -> int:
+        if self.model.layer_weight_bytes is None:
+            return 0
+        return num_offloaded_layers(self.settings.cpu_offload_bytes, self.model.layer_weight_bytes(self.settings),
+                                    self.model.num_layers)
+
+    @property
+    def offloaded_weight_bytes(self) -> int:
+        """Weights --cpu-offload-gb keeps in host memory."""
+        if not self.offloaded_layers:
+            return 0
+        return self.offloaded_layers * self.model.layer_weight_bytes(self.settings)
 
     @property
     def activation_bytes(self) -> int:
@@ -106,14 +168,18 @@ class MemoryPlan:
 
     @property
     def non_kv_bytes(self) -> int:
-        return self.weight_bytes + self.activation_bytes + self.overhead_bytes
+        return self.weight_bytes + self.activation_bytes + self.overhead_bytes + self.component_bytes
+
+    @property
+    def component_bytes(self) -> int:
+        return sum(c.total_bytes for c in self.components)
 
     @property
     def kv_budget_bytes(self) -> int:
         """What is left for the KV cache: the budget minus others' use and everything else of ours."""
         if self.settings.kv_cache_memory_bytes is not None:
             return self.settings.kv_cache_memory_bytes
-        return self.budget_bytes - self.device.used_by_others_bytes - self.non_kv_bytes
+        return self.budget_bytes - self.device.used_by_others_bytes - self.non_kv_bytes - self.shared_swap_bytes
 
     @property
     def blocks_that_fit(self) -> int:
@@ -160,13 +226,67 @@ class MemoryPlan:
     def max_concurrency(self) -> float:
         return self.max_tokens_in_cache / self.max_model_len if self.max_model_len else 0.0
 
+    # -- swap space (--swap-space) ---------------------------------------------------------------
+    @property
+    def swap_shares_device_memory(self) -> bool:
+        """On CPU (and unified memory) the swap pool and the KV cache are the same RAM: the swap space is
+        counted in the engine's budget, before the KV cache, so both never take more than the budget."""
+        return self.device.device == "cpu" or self.device.unified
+
+    @property
+    def num_swap_blocks(self) -> int:
+        return self.settings.swap_space_bytes // self.block_bytes if self.block_bytes > 0 else 0
+
+    @property
+    def swap_bytes(self) -> int:
+        """The host KV tensor the engine allocates: whole blocks of the device cache's layout and dtype."""
+        return self.num_swap_blocks * self.block_bytes
+
+    @property
+    def swap_tokens(self) -> int:
+        """Tokens of preempted requests the swap space holds."""
+        return self.num_swap_blocks * self.settings.block_size
+
+    @property
+    def shared_swap_bytes(self) -> int:
+        return self.swap_bytes if self.swap_shares_device_memory else 0
+
+    @property
+    def host_free_bytes(self) -> int | None:
+        """Host memory left for the swap space of a discrete GPU: what other processes leave, less the
+        weights --cpu-offload-gb keeps there. None where the host was not measured."""
+        d = self.device
+        if d.host_total_bytes is None or d.host_used_bytes is None:
+            return None
+        return d.host_total_bytes - d.host_used_bytes - self.offloaded_weight_bytes
+
+    def host_swap_limit(self, share: float = SWAP_HOST_LIMIT) -> int | None:
+        """The most swap space the host allows: free host memory, and at most `share` of its total."""
+        free = self.host_free_bytes
+        return None if free is None else min(free, int(self.device.host_total_bytes * share))
+
+    @property
+    def swap_fits(self) -> bool:
+        if not self.settings.swap_space_bytes:
+            return True
+        if self.num_swap_blocks < 1:
+            return False
+        limit = None if self.swap_shares_device_memory else self.host_swap_limit()
+        return limit is None or self.swap_bytes <= limit
+
+    # -- verdict --------------------------------------------------------------------------------
     @property
     def fits(self) -> bool:
+        return self.kv_fits and self.swap_fits
+
+    @property
+    def kv_fits(self) -> bool:
+        """Everything but the swap space fits: one max_model_len sequence in the KV cache, in memory."""
         if self.max_model_len < 1 or self.blocks_that_fit < 1:
             return False
         explicit = self.settings.kv_cache_memory_bytes
         if explicit is not None:
-            needed = self.device.used_by_others_bytes + self.non_kv_bytes + explicit
+            needed = self.device.used_by_others_bytes + self.non_kv_bytes + explicit + self.shared_swap_bytes
             if needed > self.device.total_bytes:
                 return False
         return self.max_tokens_in_cache >= self.max_model_len
@@ -176,6 +296,8 @@ class MemoryPlan:
     def cause(self) -> str | None:
         if self.fits:
             return None
+        if self.kv_fits:
+            return self._swap_cause()
         s, d = self.settings, self.device
         mem = f"{fmt_bytes(d.total_bytes)}{' unified' if d.unified else ''} memory"
         if s.num_gpu_blocks_override is not None:
@@ -201,14 +323,28 @@ class MemoryPlan:
                     f"{fmt_bytes(left)} of the engine's budget of {fmt_bytes(budget)}: less than the model's "
                     f"weights ({fmt_bytes(self.weight_bytes)}).")
         if self.kv_budget_bytes < self.block_bytes:
+            swap = f", the swap space ({fmt_bytes(self.shared_swap_bytes)})" if self.shared_swap_bytes else ""
             return (f"after other processes ({fmt_bytes(others)}) and the weights ({fmt_bytes(self.weight_bytes)}), "
-                    f"the activation peak ({fmt_bytes(self.activation_bytes)}) and runtime overhead "
+                    f"the activation peak ({fmt_bytes(self.activation_bytes)}){swap}{self._components_text()} "
+                    f"and runtime overhead "
                     f"({fmt_bytes(self.overhead_bytes)}) leave {fmt_bytes(self.kv_budget_bytes)} of the "
                     f"{fmt_bytes(budget)} budget for the KV cache: not one block ({fmt_bytes(self.block_bytes)}).")
         return (f"the KV cache gets {fmt_bytes(self.kv_budget_bytes)}, enough for "
                 f"{self.blocks_that_fit * s.block_size} tokens, but one sequence of max_model_len "
                 f"{self.max_model_len} needs {fmt_bytes(self.seq_bytes)} "
                 f"({fmt_bytes(self.kv_bytes_per_token)} per token).")
+
+    def _swap_cause(self) -> str:
+        s = self.settings
+        if self.num_swap_blocks < 1:
+            return (f"--swap-space {fmt_bytes(s.swap_space_bytes)} is smaller than one KV block "
+                    f"({fmt_bytes(self.block_bytes)}).")
+        d = self.device
+        offload = (f" and the {fmt_bytes(self.offloaded_weight_bytes)} of weights --cpu-offload-gb keeps there"
+                   if self.offloaded_weight_bytes else "")
+        return (f"--swap-space {fmt_bytes(self.swap_bytes)} is host memory, but other processes use "
+                f"{fmt_bytes(d.host_used_bytes)} of the host's {fmt_bytes(d.host_total_bytes)}{offload}, and at most "
+                f"{SWAP_HOST_LIMIT:.0%} of it may be swap space (vLLM's limit): {fmt_bytes(self.host_swap_limit())}.")
 
     def with_settings(self, **changes) -> "MemoryPlan":
         return replace(self, settings=replace(self.settings, **changes))
@@ -243,6 +379,13 @@ class MemoryPlan:
                     mid = (lo + hi + 1) // 2
                     lo, hi = (mid, hi) if self.with_settings(max_num_batched_tokens=mid).fits else (lo, mid - 1)
                 candidates.append(("--max-num-batched-tokens", str(lo), self.with_settings(max_num_batched_tokens=lo)))
+        if s.num_gpu_blocks_override is None and s.kv_dtype.itemsize > 1:
+            candidates.append(("--kv-cache-dtype", "fp8", self.with_settings(kv_cache_dtype="fp8")))
+        if s.quantization is None:
+            candidates.append(("--quantization", "int8", self.with_settings(quantization="int8")))
+        offload = self._cpu_offload_fix()
+        if offload is not None:
+            candidates.append(offload)
         if s.kv_cache_memory_bytes is not None:
             want = self.seq_bytes
             candidates.append(("--kv-cache-memory", str(want), self.with_settings(kv_cache_memory_bytes=want)))
@@ -250,17 +393,93 @@ class MemoryPlan:
             blocks = cdiv(self.max_model_len, s.block_size)
             candidates.append(("--num-gpu-blocks-override", str(blocks),
                                self.with_settings(num_gpu_blocks_override=blocks)))
-        return [Fix(flag, value, p.effect()) for flag, value, p in candidates if p.fits]
+        swap = self._smaller_swap_fix()
+        if swap is not None:
+            candidates.append(swap)
+        return [Fix(flag, value, self._effect_of(flag, p)) for flag, value, p in candidates if p.fits]
 
-    def effect(self) -> str:
-        return (f"KV cache {fmt_bytes(self.kv_cache_bytes)} = {self.max_tokens_in_cache} tokens, "
+    def _smaller_swap_fix(self) -> tuple[str, str, MemoryPlan] | None:
+        """The largest --swap-space (to 0.01 GiB, 0 = none) below the current one at which the plan fits."""
+        current = self.settings.swap_space_bytes
+        if not current:
+            return None
+
+        def plan_at(hundredths: int) -> MemoryPlan:
+            return self.with_settings(swap_space_bytes=gib_to_bytes(hundredths / 100))
+
+        lo, hi = 0, cdiv(current * 100, GiB) - 1
+        if hi < 0 or not plan_at(0).fits:
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if plan_at(mid).fits else (lo, mid - 1)
+        return "--swap-space", f"{lo / 100:.2f}", plan_at(lo)
+
+    def preemption_fixes(self) -> list[Fix]:
+        """Levers for a plan that fits but whose KV cache cannot hold max_num_seqs sequences of
+        max_model_len at once, so requests will be preempted: swap space as large as that shortfall
+        (capped by free host memory and by 40% of the host's total) keeps preempted requests' K/V in
+        host memory instead of recomputing it. Verified by re-planning with it. Never offered for a plan
+        that does not fit (it makes no model start), nor where the swap space would be the KV cache's
+        own memory (CPU, unified memory: the same bytes serve better as KV cache), nor where host memory
+        was not measured."""
+        limit = self.host_swap_limit(SWAP_HOST_ADVISED)
+        if not self.fits or self.swap_shares_device_memory or limit is None:
+            return []
+        short = self.max_useful_blocks - self.num_blocks - self.num_swap_blocks
+        if short <= 0:
+            return []
+        want = cdiv((self.swap_bytes + short * self.block_bytes) * 100, GiB)  # hundredths of a GiB
+        gib = min(want, limit * 100 // GiB) / 100
+        fixed = self.with_settings(swap_space_bytes=gib_to_bytes(gib))
+        if not fixed.fits or fixed.num_swap_blocks <= self.num_swap_blocks:
+            return []
+        return [Fix("--swap-space", f"{gib:.2f}", fixed.swap_effect(self))]
+
+    def swap_effect(self, before: MemoryPlan) -> str:
+        """What this plan's swap space adds over `before`'s."""
+        return (f"+{self.swap_tokens - before.swap_tokens} tokens of preempted requests kept in host memory "
+                f"(swap space {fmt_bytes(self.swap_bytes)} = {self.num_swap_blocks} blocks) instead of recomputed; "
+                f"the KV cache itself still holds {self.max_concurrency:.1f} sequences of max_model_len "
+                f"{self.max_model_len}")
+
+    def _effect_of(self, flag: str, fixed: MemoryPlan) -> str:
+        if flag == "--swap-space":
+            return f"{fixed.effect()}; swap space {fmt_bytes(fixed.swap_bytes)} = {fixed.swap_tokens} tokens"
+        if flag in ("--quantization", "--cpu-offload-gb"):
+            return (f"{fixed.effect()}; weights in device memory {fmt_bytes(self.weight_bytes)} -> "
+                    f"{fmt_bytes(fixed.weight_bytes)} ({fmt_bytes(self.weight_bytes - fixed.weight_bytes)} saved)")
+        return fixed.effect(self if flag == "--kv-cache-dtype" else None)
+
+    def _cpu_offload_fix(self) -> tuple[str, str, MemoryPlan] | None:
+        """The smallest --cpu-offload-gb (in whole layers) that fits; only a discrete CUDA device gains.
+        Offloading one layer saves nothing: its copy still comes to the device when it runs."""
+        if self.device.device != "cuda" or self.device.unified or self.model.layer_weight_bytes is None:
+            return None
+        layer = self.model.layer_weight_bytes(self.settings)
+        for n in range(max(self.offloaded_layers + 1, 2), self.model.num_layers + 1):
+            gib = cdiv(n * layer * 100, GiB) / 100
+            plan = self.with_settings(cpu_offload_bytes=gib_to_bytes(gib))
+            if plan.fits:
+                return "--cpu-offload-gb", f"{gib:.2f}", plan
+        return None
+
+    def effect(self, before: MemoryPlan | None = None) -> str:
+        """What this plan's KV cache holds; with `before`, also the tokens gained over it."""
+        text = (f"KV cache {fmt_bytes(self.kv_cache_bytes)} = {self.max_tokens_in_cache} tokens, "
                 f"{self.max_concurrency:.1f} sequences of max_model_len {self.max_model_len} at once")
+        if before is None:
+            return text
+        return (f"{text} (+{self.max_tokens_in_cache - before.max_tokens_in_cache} tokens over the "
+                f"{_dtype_name(before.settings.kv_dtype)} cache)")
 
     def check(self) -> None:
         """Raise KVCacheMemoryError (with breakdown, cause and fixes) unless the plan fits."""
         if self.fits:
             return
-        if self.kv_budget_bytes < self.block_bytes and self.settings.num_gpu_blocks_override is None:
+        if self.kv_fits:
+            head = "Not enough memory for the swap space"
+        elif self.kv_budget_bytes < self.block_bytes and self.settings.num_gpu_blocks_override is None:
             head = "No available memory for the cache blocks"
         else:
             head = (f"The model's max seq len ({self.max_model_len}) is larger than the maximum number of "
@@ -268,6 +487,15 @@ class MemoryPlan:
         raise KVCacheMemoryError(f"{head}: {self.cause}\n{self.table()}")
 
     # -- presentation ---------------------------------------------------------------------------
+    def _weights_row(self) -> tuple[str, str, str]:
+        s = self.settings
+        label = f"model weights ({_dtype_name(s.dtype)}{', int8 decoder linears' if s.quantization else ''})"
+        note = self.model.weights_source
+        if self.offloaded_layers:
+            note += (f"; {self.offloaded_layers} of {self.model.num_layers} layers "
+                     f"({fmt_bytes(self.offloaded_weight_bytes)}) in host memory, one at a time on the device")
+        return label, fmt_bytes(self.weight_bytes), note
+
     def table(self) -> str:
         s, d, m = self.settings, self.device, self.model
         kind = "unified memory" if d.unified else f"{d.device} memory"
@@ -275,13 +503,14 @@ class MemoryPlan:
             (f"{kind} total" + (f" ({d.name})" if d.name else ""), fmt_bytes(d.total_bytes), d.source),
             (f"budget (gpu_memory_utilization {s.gpu_memory_utilization:g})", fmt_bytes(self.budget_bytes), ""),
             ("used by other processes and the OS", fmt_bytes(d.used_by_others_bytes), d.source),
-            (f"model weights ({str(s.dtype).removeprefix('torch.')})", fmt_bytes(self.weight_bytes), m.weights_source),
+            self._weights_row(),
             (f"activation peak ({s.max_num_batched_tokens} tokens/step)", fmt_bytes(self.activation_bytes),
              m.activation_source),
             ("runtime overhead", fmt_bytes(self.overhead_bytes), m.overhead_source),
+            *self._component_rows(),
             ("left for the KV cache", fmt_bytes(self.kv_budget_bytes),
              "--kv-cache-memory" if s.kv_cache_memory_bytes is not None else ""),
-            ("KV cache per token", fmt_bytes(self.kv_bytes_per_token),
+            (f"KV cache per token ({_dtype_name(s.kv_dtype)})", fmt_bytes(self.kv_bytes_per_token),
              f"tp={s.tensor_parallel_size}" if s.tensor_parallel_size > 1 else ""),
             (f"one sequence of max_model_len {self.max_model_len}", fmt_bytes(self.seq_bytes), ""),
             ("KV cache allocated", f"{fmt_bytes(self.kv_cache_bytes)} = {self.num_blocks} blocks x "
@@ -289,6 +518,8 @@ class MemoryPlan:
              if self.num_blocks == self.max_useful_blocks < self.blocks_that_fit else ""),
             ("holds", f"{self.max_tokens_in_cache} tokens = {self.max_concurrency:.1f} x max_model_len", ""),
         ]
+        if s.swap_space_bytes:
+            rows.append(self._swap_row())
         width = max(len(r[0]) for r in rows)
         vwidth = max(len(r[1]) for r in rows)
         lines = [f"  {k:<{width}}  {v:>{vwidth}}  {note}".rstrip() for k, v, note in rows]
@@ -299,10 +530,40 @@ class MemoryPlan:
                 lines.append("  fixes (each alone makes the plan fit):")
                 lines += [f"    {f.flag} {f.value}: {f.effect}" for f in fixes]
             util_fix = any(f.flag == "--gpu-memory-utilization" for f in fixes)
-            if not util_fix and s.kv_cache_memory_bytes is None and s.num_gpu_blocks_override is None:
+            if (not util_fix and not self.kv_fits and s.kv_cache_memory_bytes is None
+                    and s.num_gpu_blocks_override is None):
                 lines.append(f"  no gpu_memory_utilization can fit it: {fmt_bytes(d.used_by_others_bytes)} of the "
                              f"{fmt_bytes(d.total_bytes)} is used elsewhere; free memory there first.")
+        else:
+            lines += self._preemption_lines()
         return "\n".join(lines)
+
+    def _component_rows(self) -> list[tuple[str, str, str]]:
+        return [(f"{c.name} ({c.detail})" if c.detail else c.name, fmt_bytes(c.total_bytes),
+                 f"weights {fmt_bytes(c.weight_bytes)} + peak {fmt_bytes(c.activation_bytes)}; {c.source}")
+                for c in self.components]
+
+    def _components_text(self) -> str:
+        return "".join(f", the {c.name} ({fmt_bytes(c.total_bytes)})" for c in self.components)
+
+    def _swap_row(self) -> tuple[str, str, str]:
+        if self.swap_shares_device_memory:
+            note = "the same RAM as the KV cache: taken from the budget before it"
+        elif self.host_free_bytes is None:
+            note = "host memory (not measured)"
+        else:
+            note = f"host memory, {fmt_bytes(self.host_free_bytes)} free"
+        size = f"{fmt_bytes(self.swap_bytes)} = {self.num_swap_blocks} blocks = {self.swap_tokens} tokens"
+        return "swap space (--swap-space)", size, note
+
+    def _preemption_lines(self) -> list[str]:
+        fixes = self.preemption_fixes()
+        if not fixes:
+            return []
+        s = self.settings
+        head = (f"  preemption: the KV cache holds {self.max_concurrency:.1f} of max_num_seqs {s.max_num_seqs} "
+                f"sequences of max_model_len {self.max_model_len}; past that, requests are preempted and recompute.")
+        return [head, "  fixes (keep preempted requests' K/V):"] + [f"    {f.flag} {f.value}: {f.effect}" for f in fixes]
 
     def to_json(self) -> dict:
         return {
@@ -315,11 +576,18 @@ class MemoryPlan:
             "gpu_memory_utilization": self.settings.gpu_memory_utilization,
             "dtype": str(self.settings.dtype).removeprefix("torch."),
             "weights_bytes": self.weight_bytes,
+            "quantization": self.settings.quantization,
+            "cpu_offload_bytes": self.settings.cpu_offload_bytes,
+            "offloaded_layers": self.offloaded_layers,
+            "offloaded_weight_bytes": self.offloaded_weight_bytes,
             "activation_peak_bytes": self.activation_bytes,
             "overhead_bytes": self.overhead_bytes,
+            "components": [{"name": c.name, "weight_bytes": c.weight_bytes, "activation_peak_bytes": c.activation_bytes,
+                            "source": c.source, "detail": c.detail} for c in self.components],
             "kv_cache_budget_bytes": self.kv_budget_bytes,
             "kv_cache_bytes": self.kv_cache_bytes,
             "kv_bytes_per_token": self.kv_bytes_per_token,
+            "kv_cache_dtype": _dtype_name(self.settings.kv_dtype),
             "block_size": self.settings.block_size,
             "num_blocks": self.num_blocks,
             "max_model_len": self.max_model_len,
@@ -331,4 +599,11 @@ class MemoryPlan:
                         "overhead": self.model.overhead_source, "device": self.device.source},
             "cause": self.cause,
             "fixes": [{"flag": f.flag, "value": f.value, "effect": f.effect} for f in self.fixes()],
+            "swap_space_bytes": self.settings.swap_space_bytes,
+            "swap_bytes": self.swap_bytes,
+            "num_swap_blocks": self.num_swap_blocks,
+            "swap_tokens": self.swap_tokens,
+            "host_free_bytes": self.host_free_bytes,
+            "preemption_fixes": [{"flag": f.flag, "value": f.value, "effect": f.effect}
+                                 for f in self.preemption_fixes()],
         }

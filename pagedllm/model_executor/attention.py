@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.kv_quant import read_kv, write_kv
 from pagedllm.utils import cdiv
 
 
@@ -60,23 +61,27 @@ class PagedAttention(nn.Module):
         # (num_blocks * block_size, kv_heads, head_dim) views into the cache, set by bind_kv_cache.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        # Per-tensor scales of an fp8 cache (stored = x / scale), from the checkpoint or 1.0.
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (tokens, heads, dim); k, v: (tokens, kv_heads, dim)
         meta = _metadata
         if meta is None or self.k_cache is None:
             raise RuntimeError("PagedAttention needs a bound KV cache and a forward_context")
-        self.k_cache.index_copy_(0, meta.slot_mapping, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(0, meta.slot_mapping, v.to(self.v_cache.dtype))
+        write_kv(self.k_cache, meta.slot_mapping, k, self.k_scale)
+        write_kv(self.v_cache, meta.slot_mapping, v, self.v_scale)
         out = torch.empty_like(q)
         k_blocks = self.k_cache.view(-1, meta.block_size, self.num_kv_heads, self.head_dim)
         v_blocks = self.v_cache.view(-1, meta.block_size, self.num_kv_heads, self.head_dim)
         for g in meta.groups:
-            # Whole blocks are gathered (one contiguous copy each), then viewed as positions.
+            # Whole blocks are gathered (one contiguous copy each, in the model dtype), then viewed as
+            # positions: (B, kv_heads, max_kv, dim).
             b = g.block_index.shape[0]
-            kg = k_blocks[g.block_index].view(b, -1, self.num_kv_heads, self.head_dim)[:, : g.max_kv]
-            vg = v_blocks[g.block_index].view(b, -1, self.num_kv_heads, self.head_dim)[:, : g.max_kv]
-            kg, vg = kg.to(q.dtype).transpose(1, 2), vg.to(q.dtype).transpose(1, 2)  # (B, kv_heads, max_kv, dim)
+            kg = read_kv(k_blocks, g.block_index, self.k_scale, q.dtype)
+            vg = read_kv(v_blocks, g.block_index, self.v_scale, q.dtype)
+            kg = kg.view(b, -1, self.num_kv_heads, self.head_dim)[:, : g.max_kv].transpose(1, 2)
+            vg = vg.view(b, -1, self.num_kv_heads, self.head_dim)[:, : g.max_kv].transpose(1, 2)
             if g.is_decode:
                 out[g.dest_index] = self._decode_attention(q[g.dest_index], kg, vg, g.mask)
                 continue

@@ -13,6 +13,8 @@ from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, pack_linear_weights
 from pagedllm.model_executor.model_files import weight_files
 from pagedllm.model_executor.models.registry import get_model_class
+from pagedllm.model_executor.offload import offload_layers
+from pagedllm.model_executor.quantization import quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,10 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_cls(model_config.hf_config, max_positions=model_config.max_model_len)
     finally:
         torch.set_default_dtype(prev_dtype)
-    model.to_empty(device=device)
+    # int8 or offloaded weights are built in host memory: the device only ever holds their final form.
+    staged = device.type != "cpu" and (model_config.quantization is not None or model_config.cpu_offload_bytes > 0)
+    build_device = torch.device("cpu") if staged else device
+    model.to_empty(device=build_device)
     model.tie_weights()
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
@@ -38,9 +43,34 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     else:
         _load_safetensors(model, model_config)
     model.eval()
-    if device.type == "cpu":
-        model.packed_weight_bytes = pack_linear_weights(model)
+    _place_weights(model, model_config, device, build_device)
     return model
+
+
+def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.device,
+                   build_device: torch.device) -> None:
+    """Quantize, keep the offloaded layers in host memory, move the rest to `device`; on CPU, pack."""
+    if model_config.quantization is not None:
+        quantize_model(model, model_config.quantization)
+    model.layer_offloads = offload_layers(model.decoder_layers(), model_config.cpu_offload_bytes, device)
+    if build_device != device:
+        kept = {id(p) for offload in model.layer_offloads for p, _ in offload.host}
+        _move_to(model, device, kept)
+    # Quantized layers are Int8Linear, not nn.Linear: packing leaves their int8 weights alone. The
+    # offload hooks swap plain parameters, so with offloaded layers (CPU tests) nothing is packed.
+    if device.type == "cpu" and not model.layer_offloads:
+        model.packed_weight_bytes = pack_linear_weights(model)
+
+
+def _move_to(model: nn.Module, device: torch.device, kept: set[int]) -> None:
+    """Move parameters (except those whose id is in `kept`) and buffers to `device`."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in kept:
+                p.data = p.data.to(device)
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
 
 
 def _iter_safetensors(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -106,12 +106,17 @@ def weight_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def generation_eos_ids(path: Path) -> set[int]:
-    """EOS ids from generation_config.json (a number or a list), if the model has one."""
+def generation_config(path: Path) -> dict:
+    """The model folder's generation_config.json ({} without one, or for a bare config.json)."""
     gen = path / "generation_config.json" if path.is_dir() else None
     if gen is None or not gen.is_file():
-        return set()
-    eos = json.loads(gen.read_text()).get("eos_token_id")
+        return {}
+    return json.loads(gen.read_text())
+
+
+def generation_eos_ids(path: Path) -> set[int]:
+    """EOS ids from generation_config.json (a number or a list), if the model has one."""
+    eos = generation_config(path).get("eos_token_id")
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, list) else {eos}

@@ -1,6 +1,7 @@
 """ModelRunner: turns a scheduled step into tensors, runs the model once, and samples."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -10,10 +11,19 @@ from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.memory.profiler import measure_peak_bytes
 from pagedllm.model_executor.attention import build_attention_metadata, forward_context
+from pagedllm.model_executor.audio_runner import (
+    audio_forward_inputs,
+    profile_audio_inputs,
+    profile_audio_sampling,
+    sample_audio,
+)
+from pagedllm.model_executor.kv_quant import is_fp8
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.sampler import SampledRow, Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,7 +50,17 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.model = load_model(config.model, self.device)
         self.sampler = Sampler(self.device, config.model.seed)
+        # Multi-codebook audio models: frames in and out (audio_runner); None for text models.
+        self.audio_spec = getattr(self.model, "audio_spec", None)
         self.kv_cache: torch.Tensor | None = None
+        self.swap_cache: torch.Tensor | None = None  # host copy of the layout for swapped-out blocks
+        if is_fp8(config.kv_cache_dtype):
+            self._log_kv_scales()
+
+    def _log_kv_scales(self) -> None:
+        scales = {(a.k_scale, a.v_scale) for a in self.model.attention_layers()}
+        source = "1.0 (the checkpoint has no k_scale/v_scale)" if scales == {(1.0, 1.0)} else "from the checkpoint"
+        logger.info("KV cache stored as %s, per-layer k/v scales %s", self.config.kv_cache_dtype, source)
 
     @property
     def weight_bytes(self) -> int:
@@ -52,18 +72,70 @@ class ModelRunner:
                 total += p.numel() * p.element_size()
         return total
 
+    @property
+    def offloaded_weight_bytes(self) -> int:
+        """The part of weight_bytes kept in host memory by --cpu-offload-gb."""
+        return sum(offload.num_bytes for offload in self.model.layer_offloads)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor for every layer's K and V; each attention layer gets views of its slice."""
         m = self.config.model
         slots = num_blocks * self.block_size
         # Zeros, not empty: padded key positions are multiplied by 0 attention, and 0 * NaN is NaN.
         self.kv_cache = torch.zeros((m.num_layers, 2, slots, m.num_kv_heads, m.head_dim),
-                                    dtype=m.dtype, device=self.device)
+                                    dtype=self.config.kv_cache_dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
 
+    # -- swap space ---------------------------------------------------------------------------------
+    def _block_view(self, cache: torch.Tensor) -> torch.Tensor:
+        """A KV tensor as raw bytes, (layers, 2, blocks, bytes of one block of one layer's K or V): one
+        copy kernel for every cache dtype (fp8 has no index_copy_ of its own)."""
+        layers, kv, slots = cache.shape[:3]
+        return cache.view(torch.uint8).view(layers, kv, slots // self.block_size, -1)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block, every layer's K and V, as the device KV cache is allocated (its dtype
+        and layout, whatever --kv-cache-dtype made them)."""
+        if self.kv_cache is None:
+            raise RuntimeError("the KV cache is not allocated yet")
+        layers, kv, _, block = self._block_view(self.kv_cache).shape
+        return layers * kv * block
+
+    def allocate_swap_space(self, num_blocks: int) -> None:
+        """Host memory for `num_blocks` swapped-out blocks, in the device cache's per-layer layout and
+        dtype; pinned on CUDA so the copies run at full PCIe speed."""
+        if num_blocks < 1:
+            self.swap_cache = None
+            return
+        shape = (*self.kv_cache.shape[:2], num_blocks * self.block_size, *self.kv_cache.shape[3:])
+        self.swap_cache = torch.zeros(shape, dtype=self.kv_cache.dtype, device="cpu",
+                                      pin_memory=self.device.type == "cuda")
+
+    @torch.inference_mode()
+    def swap_blocks(self, step: SchedulerOutput) -> None:
+        """The step's block copies, every layer's K and V in one gather and one scatter per direction.
+        Swap-outs run first: this step's forward (or swap-ins) may write the device blocks they free."""
+        if step.blocks_to_swap_out:
+            src, dst = self._copy_ids(step.blocks_to_swap_out)
+            host, dev = self._block_view(self.swap_cache), self._block_view(self.kv_cache)
+            host.index_copy_(2, dst, dev.index_select(2, src.to(self.device)).cpu())
+        if step.blocks_to_swap_in:
+            src, dst = self._copy_ids(step.blocks_to_swap_in)
+            host, dev = self._block_view(self.swap_cache), self._block_view(self.kv_cache)
+            dev.index_copy_(2, dst.to(self.device), host.index_select(2, src).to(self.device))
+
+    @staticmethod
+    def _copy_ids(copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        src, dst = zip(*copies)
+        return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        self.swap_blocks(step)  # before the forward, which may write blocks swapped out this step
+        if not step.scheduled:
+            return ModelRunnerOutput()
         starts, lengths, tables, input_ids = [], [], [], []
         for s in step.scheduled:
             c = s.request.num_computed_tokens
@@ -73,8 +145,10 @@ class ModelRunner:
             input_ids.extend(s.request.all_token_ids[c:c + s.num_new_tokens])
         meta = build_attention_metadata(starts, lengths, tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        audio = {} if self.audio_spec is None else audio_forward_inputs(
+            [s.request for s in step.scheduled], starts, lengths, self.audio_spec.num_codebooks, self.device)
         with forward_context(meta):
-            hidden = self.model(ids, meta.positions)  # (tokens, hidden)
+            hidden = self.model(ids, meta.positions, **audio)  # (tokens, hidden)
 
         # Rows whose logits we need: each sampling request's last token, then prompt-logprob rows.
         sample_rows, sample_reqs, prompt_spans = [], [], []
@@ -91,11 +165,16 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if sample_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-            for req, row in zip(sample_reqs, self.sampler(logits, sample_reqs)):
+            sample = self.sampler if self.audio_spec is None else self._sample_audio
+            for req, row in zip(sample_reqs, sample(logits, sample_reqs)):
                 out.sampled[req.request_id] = row
         for req, first, offset, count in prompt_spans:
             out.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, first, hidden[offset:offset + count])
         return out
+
+    def _sample_audio(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledRow]:
+        """Audio frames; unseeded requests draw from the engine's seeded generator, as text ones do."""
+        return sample_audio(logits, requests, self.sampler.generator)
 
     def _prompt_logprobs(self, req, first: int, hidden: torch.Tensor) -> PromptLogprobsChunk:
         logprobs = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
@@ -125,12 +204,18 @@ class ModelRunner:
         fake = [Request(f"profile-{i}", [0], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1), set(), 2)
                 for i in range(rows)]
         ids = torch.randint(0, self.config.model.vocab_size, (sum(lengths),), device=self.device)
+        spec = self.audio_spec
+        audio = {} if spec is None else profile_audio_inputs(sum(lengths), spec, self.device)
 
         def step() -> None:
             meta = build_attention_metadata([0] * len(lengths), lengths, tables, self.block_size, self.device)
             with forward_context(meta):
-                hidden = self.model(ids, meta.positions)
-            self.sampler(self.model.compute_logits(hidden[:rows]), fake)
+                hidden = self.model(ids, meta.positions, **audio)
+            logits = self.model.compute_logits(hidden[:rows])
+            if spec is None:
+                self.sampler(logits, fake)
+            else:
+                profile_audio_sampling(logits, spec, torch.Generator(self.device))  # not the engine's draws
 
         try:
             return measure_peak_bytes(step, self.device)

@@ -96,3 +96,10 @@ def test_sweep_plot_writes_a_png(tmp_path):
     out = tmp_path / "sweep.png"
     plot_sweep(rows, str(out), "test")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_random_dataset_shared_prefix():
+    reqs = random_requests(5, 8, 4, 0.0, vocab_size=1000, seed=1, prefix_len=16)
+    assert all(len(r.prompt_token_ids) == 24 for r in reqs)
+    assert len({tuple(r.prompt_token_ids[:16]) for r in reqs}) == 1
+    assert len({tuple(r.prompt_token_ids[16:]) for r in reqs}) == 5

@@ -7,9 +7,9 @@ import pytest
 
 from pagedllm.engine.block_pool import BlockPool
 from pagedllm.engine.kv_cache_manager import KVCacheManager
-from pagedllm.utils import cdiv
 from pagedllm.engine.request import Request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import cdiv
 
 
 def make_request(rid: str, num_prompt_tokens: int = 4) -> Request:
@@ -175,7 +175,7 @@ def test_check_integrity_catches_leak() -> None:
     """A block removed from the free queue without an owner: free + used != total."""
     pool = BlockPool(4)
     pool.allocate(1)
-    pool._free.pop()  # simulate a leak: block disappears from both free queue and owners
+    pool._free.popitem()  # simulate a leak: block disappears from both free queue and owners
     with pytest.raises(AssertionError, match="leaked"):
         pool.check_integrity()
 
@@ -183,7 +183,7 @@ def test_check_integrity_catches_leak() -> None:
 def test_check_integrity_catches_owned_block_in_free_queue() -> None:
     pool = BlockPool(4)
     blocks = pool.allocate(2)
-    pool._free.append(blocks[0])  # both owned and free
+    pool._free[blocks[0]] = None  # both owned and free
     with pytest.raises(AssertionError):
         pool.check_integrity()
 
@@ -203,10 +203,20 @@ def test_check_integrity_catches_lost_ref_count() -> None:
         pool.check_integrity()
 
 
-def test_check_integrity_catches_duplicate_in_free_queue() -> None:
+def test_check_integrity_catches_hash_map_pointing_at_another_block() -> None:
     pool = BlockPool(4)
-    pool._free.append(0)
-    with pytest.raises(AssertionError, match="twice"):
+    a, b = pool.allocate(2)
+    pool.cache_block(a, b"h")
+    pool._cached[b"h"] = b  # the map names a block that does not carry the hash
+    with pytest.raises(AssertionError, match="hash map points to block"):
+        pool.check_integrity()
+
+
+def test_check_integrity_catches_hash_the_map_does_not_know() -> None:
+    pool = BlockPool(4)
+    (a,) = pool.allocate(1)
+    pool.block_hashes[a] = b"h"  # cached in the block, unknown to the map: never found, never evicted
+    with pytest.raises(AssertionError, match="carry a hash"):
         pool.check_integrity()
 
 
@@ -221,7 +231,7 @@ def test_check_integrity_catches_negative_ref_count() -> None:
 # KVCacheManager
 # --------------------------------------------------------------------------------------------
 def test_cdiv() -> None:
-    assert [cdiv(a, 4) for a in range(0, 10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
+    assert [cdiv(a, 4) for a in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
 
 
 @pytest.mark.parametrize("block_size", [1, 3, 4, 16])

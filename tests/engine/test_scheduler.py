@@ -29,10 +29,13 @@ def make_request(rid: str, prompt_len: int, max_model_len: int = 1024, eos: set[
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
-                   max_num_batched_tokens: int = 2048, max_model_len: int = 1024) -> Scheduler:
+                   max_num_batched_tokens: int = 2048, max_model_len: int = 1024,
+                   enable_caching: bool = False) -> Scheduler:
+    """Prefix caching is off unless asked for: most tests count the tokens each step computes, and
+    the prompts here share prefixes (100, 101, ...), so cache hits would change those counts."""
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           max_model_len=max_model_len)
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size))
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_caching=enable_caching))
 
 
 def step(sched: Scheduler, token: int | Callable[[Request], int] = FILLER
@@ -337,12 +340,13 @@ def test_chunked_prefill_request_preempted_resets() -> None:
     assert a.num_output_tokens == 20 and b.num_output_tokens == 2
 
 
+@pytest.mark.parametrize("enable_caching", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_no_deadlock_with_pool_for_one_max_length_sequence(seed: int) -> None:
+def test_no_deadlock_with_pool_for_one_max_length_sequence(seed: int, enable_caching: bool) -> None:
     max_model_len, block_size = 64, 4
     num_blocks = max_model_len // block_size  # exactly one full-length sequence fits
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=4,
-                           max_num_batched_tokens=24, max_model_len=max_model_len)
+                           max_num_batched_tokens=24, max_model_len=max_model_len, enable_caching=enable_caching)
     rng = random.Random(seed)
     reqs = [make_request(f"r{i}", rng.randint(1, 50), max_model_len=max_model_len, max_tokens=None)
             for i in range(8)]
@@ -358,10 +362,11 @@ def test_no_deadlock_with_pool_for_one_max_length_sequence(seed: int) -> None:
     assert steps < 3000
 
 
-def test_random_workload_many_preemptions_integrity() -> None:
+@pytest.mark.parametrize("enable_caching", [False, True])
+def test_random_workload_many_preemptions_integrity(enable_caching: bool) -> None:
     rng = random.Random(7)
     sched = make_scheduler(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=20,
-                           max_model_len=80)
+                           max_model_len=80, enable_caching=enable_caching)
     reqs = []
     steps = 0
     for i in range(30):
@@ -376,6 +381,7 @@ def test_random_workload_many_preemptions_integrity() -> None:
         assert r.status == RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == [1000 + k for k in range(r.max_output_tokens)]
     assert sched.num_preemptions == sum(r.num_preemptions for r in reqs) > 0
+    assert (sched.kv_cache.prefix_cache_stats.hits > 0) == enable_caching
 
 
 # --------------------------------------------------------------------------------------------

@@ -142,7 +142,8 @@ def metric(server_url: str, name: str, **labels: str) -> float:
 def kv_idle(http: httpx.Client) -> dict | None:
     """/v1/memory when the engine holds no request and no KV block, else None."""
     mem = http.get("/v1/memory").json()
-    if mem["kv_cache_usage"]["blocks_used"] == 0 and mem["requests"] == [] and mem["num_waiting"] == 0:
+    if (mem["kv_cache_usage"]["blocks_used"] == 0 and mem["requests"] == [] and mem["num_waiting"] == 0
+            and mem["num_swapped"] == 0):
         return mem
     return None
 

@@ -287,7 +287,7 @@ def test_non_streaming_client_that_times_out_is_aborted(server_url, http, expect
 
 # -- start-up refusal -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag,value", [("--swap-space", "4"), ("--tensor-parallel-size", "2")])
+@pytest.mark.parametrize("flag,value", [("--pipeline-parallel-size", "2"), ("--tensor-parallel-size", "2")])
 def test_unimplemented_vllm_flags_are_refused_at_start(tiny_llama, flag, value):
     start = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", str(tiny_llama),

@@ -21,11 +21,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.entrypoints.openai import serving_audio
+from pagedllm.entrypoints.openai.audio_args import (
+    AudioServerConfig,
+    add_audio_server_args,
+    audio_server_config,
+)
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SpeechRequest,
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving import (
@@ -40,10 +47,18 @@ logger = logging.getLogger("pagedllm.server")
 
 
 def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | None = None,
-              chat_template: str | None = None, metrics: EngineMetrics | None = None) -> FastAPI:
+              chat_template: str | None = None, metrics: EngineMetrics | None = None,
+              audio: AudioServerConfig | None = None) -> FastAPI:
     llm_engine = engine.engine
     ctx = ServingContext(engine, served_names, llm_engine.config.model.max_model_len, chat_template)
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    app.state.audio = None
+    if audio is not None and audio.enabled:
+        from pagedllm.entrypoints.openai.audio_setup import create_audio_serving
+
+        app.state.audio = create_audio_serving(engine, ctx, audio)
+        if metrics is not None:
+            app.state.audio.on_cache_lookup = metrics.on_mm_cache_lookup
     created = int(time.time())
 
     async def check_api_key(request: Request) -> None:
@@ -128,7 +143,23 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
 
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        if serving_audio.wants_audio(body):
+            return JSONResponse(await serving_audio.create_audio_chat_completion(_audio(), body, raw))
         return await respond(await create_chat_completion(ctx, body, raw))
+
+    def _audio() -> serving_audio.AudioServing:
+        if app.state.audio is None:
+            raise APIError(400, f"this server's model ({llm_engine.config.model.architecture}) has no audio: audio "
+                                f"input and output need a speech model served with --audio-tokenizer-type")
+        return app.state.audio
+
+    @app.post("/v1/audio/speech", dependencies=v1)
+    async def speech(body: SpeechRequest, raw: Request):
+        return await serving_audio.create_speech(_audio(), body, raw)
+
+    @app.get("/v1/audio/voices", dependencies=v1)
+    async def voices():
+        return serving_audio.list_voices(_audio())
 
     def _need_tokenizer(e):
         if e.tokenizer is None:
@@ -182,11 +213,14 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
             return e.memory_plan.to_json() | {
                 "kv_cache_usage": {"block_size": e.kv_cache.block_size, "blocks_total": pool.num_blocks,
                                    "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
-                                   "usage": pool.usage},
+                                   "blocks_cached": pool.num_cached_blocks, "usage": pool.usage},
                 "requests": [{"request_id": rid, "blocks": len(table),
                               "computed_tokens": running[rid].num_computed_tokens if rid in running else 0}
                              for rid, table in e.kv_cache.block_tables.items()],
                 "num_waiting": len(e.scheduler.waiting),
+                "num_swapped": len(e.scheduler.swapped),
+                "swap_usage": {"blocks_total": e.num_swap_blocks, "blocks_used": e.kv_cache.num_swapped_blocks,
+                               "usage": e.kv_cache.swap_usage},
                 "num_preemptions": e.scheduler.num_preemptions,
             }
         return await engine.call(snapshot)
@@ -199,11 +233,8 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
 # vLLM flags pagedllm does not implement yet, with the value at which they change nothing.
 # Anything else is refused at start-up: a flag is never accepted and silently ignored.
 UNIMPLEMENTED_FLAGS = {
-    "--swap-space": None, "--limit-mm-per-prompt": None, "--disable-mm-preprocessor-cache": False,
-    "--mm-processor-cache-gb": None, "--audio-tokenizer-type": None, "--audio-tokenizer-path": None,
-    "--voice-presets-dir": None, "--tensor-parallel-size": 1, "--pipeline-parallel-size": 1,
-    "--quantization": None, "--kv-cache-dtype": "auto", "--cpu-offload-gb": 0.0,
-    "--enable-prefix-caching": False, "--preemption-mode": None, "--enable-lora": False,
+    "--tensor-parallel-size": 1, "--pipeline-parallel-size": 1,
+    "--enable-lora": False,
     "--speculative-config": None, "--enable-chunked-prefill": None,
 }
 
@@ -218,6 +249,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_audio_server_args(parser)
     u = parser.add_argument_group("vLLM flags not implemented yet (refused unless at their neutral value)")
     for flag, neutral in UNIMPLEMENTED_FLAGS.items():
         if isinstance(neutral, bool):
@@ -265,11 +297,17 @@ def run_server(ns: argparse.Namespace) -> int:
     api_key = ns.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     config = engine_args_from(ns).create_engine_config()
     tokenizer = load_tokenizer(config.model.tokenizer) if config.model.tokenizer else None
-    llm_engine = LLMEngine(config, tokenizer)
+    audio = audio_server_config(ns)
+    if audio.enabled:
+        from pagedllm.entrypoints.openai.audio_setup import create_audio_engine
+
+        llm_engine = create_audio_engine(config, tokenizer, audio)
+    else:
+        llm_engine = LLMEngine(config, tokenizer)
     names = ns.served_model_name or [ns.model or "pagedllm-demo"]
     metrics = EngineMetrics(names[0])
     engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step, abort_listener=metrics.forget)
-    app = build_app(engine, names, api_key, chat_template, metrics)
+    app = build_app(engine, names, api_key, chat_template, metrics, audio)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
                 llm_engine.config.model.max_model_len)
     try:
@@ -277,6 +315,8 @@ def run_server(ns: argparse.Namespace) -> int:
                     access_log=not ns.disable_log_requests)
     finally:
         engine.shutdown()
+        if app.state.audio is not None:
+            app.state.audio.shutdown()
     return 0
 
 

@@ -44,6 +44,10 @@ class _SamplingRequest(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's: requests with different salts never share prefix-cache blocks (no timing side channel).
+    cache_salt: str | None = Field(default=None, min_length=1)
+    # vLLM's: lower is more important; decides which running request is preempted first.
+    priority: int = 0
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for OpenAI fields set to values we don't implement."""
@@ -99,6 +103,14 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
+class ChatAudioOutput(BaseModel):
+    """OpenAI's `audio` of a chat request with modalities ["text", "audio"]: the voice and file format."""
+
+    model_config = ConfigDict(extra="forbid")
+    voice: str | None = None  # a --voice-presets-dir voice; None: the model's own choice
+    format: str = "wav"
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -112,6 +124,9 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     add_generation_prompt: bool = True
     echo: bool = False
+    # OpenAI's audio output: modalities ["text", "audio"] and the audio's voice and format.
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: ChatAudioOutput | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
@@ -125,6 +140,24 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         return out
+
+
+class SpeechRequest(BaseModel):
+    """OpenAI's POST /v1/audio/speech, plus streaming and sampling fields (vLLM style)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    input: str = Field(min_length=1)
+    voice: str | None = None  # a --voice-presets-dir voice; None: the model's own choice
+    instructions: str | None = None  # the scene description of the prompt
+    response_format: str = "wav"
+    speed: float = 1.0
+    stream: bool = False  # WAV header (or nothing, for pcm) then PCM chunks as frames are decoded
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = Field(default=None, le=2**63 - 1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    max_tokens: int | None = None  # generation steps (frames) at most
 
 
 class TokenizeRequest(BaseModel):

@@ -137,15 +137,23 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]], raw: Request) ->
     return work.result()
 
 
-async def _start(ctx: ServingContext, prefix: str, prompts: list, params: SamplingParams
-                 ) -> list[AsyncIterator[RequestOutput]]:
+def _with_cache_salt(prompt: str | dict, cache_salt: str | None) -> str | dict:
+    if cache_salt is None:
+        return prompt
+    return {**({"prompt": prompt} if isinstance(prompt, str) else prompt), "cache_salt": cache_salt}
+
+
+async def _start(ctx: ServingContext, prefix: str, prompts: list, params: SamplingParams,
+                 cache_salt: str | None = None, priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
     """Submit every prompt; the first invalid one aborts those already submitted and raises 400."""
     base = f"{prefix}-{uuid.uuid4().hex}"
     ids, streams = [], []
     try:
         for i, prompt in enumerate(prompts):
+            prompt = _with_cache_salt(prompt, cache_salt)
             ids.append(f"{base}-{i}")
-            streams.append(await ctx.engine.add_request(ids[-1], prompt, params, strict_length=True))
+            streams.append(await ctx.engine.add_request(ids[-1], prompt, params, strict_length=True,
+                                                        priority=priority))
     except ValueError as e:  # InvalidPromptError and other bad input
         for rid in ids:
             ctx.engine.abort(rid)
@@ -208,7 +216,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     params = _sampling_params(ctx, req, req.max_tokens, req.logprobs, 16)
     if req.echo and req.logprobs is not None:
         params = params.clone(prompt_logprobs=req.logprobs)
-    streams = await _start(ctx, "cmpl", prompts, params)
+    streams = await _start(ctx, "cmpl", prompts, params, req.cache_salt, req.priority)
     created, rid, n = int(time.time()), f"cmpl-{uuid.uuid4().hex}", params.n
 
     def echo_entries(out: RequestOutput):
@@ -313,7 +321,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         raise APIError(400, str(e), "messages") from None
     except Exception as e:  # a template that fails to render on these messages
         raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
-    streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params)
+    streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params, req.cache_salt,
+                           req.priority)
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
 
     if not req.stream:

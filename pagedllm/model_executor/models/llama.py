@@ -8,6 +8,7 @@ from torch import nn
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.attention import PagedAttention
+from pagedllm.model_executor.kv_quant import kv_scale_target, scale_value
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, get_activation
 
 
@@ -138,6 +139,10 @@ class LlamaForCausalLM(nn.Module):
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
+    def decoder_layers(self) -> nn.ModuleList:
+        """The repeated blocks: what --quantization quantizes and --cpu-offload-gb offloads."""
+        return self.model.layers
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into parameters (stacking q/k/v and gate/up). Returns loaded names."""
         params = dict(self.named_parameters())
@@ -146,6 +151,8 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if self._load_kv_scale(name, tensor):
                 continue
             piece = next((p for p in STACKED_PARAMS if f".{p}." in name), None)
             if piece is not None:
@@ -162,6 +169,19 @@ class LlamaForCausalLM(nn.Module):
                 param.data.copy_(tensor)
                 loaded.add(name)
         return loaded
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Set an fp8 KV-cache scale (vLLM's checkpoint names); False when `name` is not one."""
+        target = kv_scale_target(name)
+        if target is None:
+            return False
+        layer, which = target
+        if layer >= len(self.model.layers):
+            raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
+        attn = self.model.layers[layer].self_attn.attn
+        for kind in which:
+            setattr(attn, f"{kind}_scale", scale_value(name, tensor))
+        return True
 
     def expected_weight_names(self) -> set[str]:
         names = set()

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.model_executor.models.higgs_audio_v2 import (
+    HiggsAudioV2ForConditionalGeneration,
+)
 from pagedllm.model_executor.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -14,6 +17,7 @@ MODEL_REGISTRY = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "HiggsAudioV2ForConditionalGeneration": HiggsAudioV2ForConditionalGeneration,  # model_type higgs_audio_v2
 }
 
 

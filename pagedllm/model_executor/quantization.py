@@ -1,0 +1,108 @@
+"""Weight-only int8 (`--quantization int8`): symmetric, one scale per output channel.
+
+Every Linear of the decoder layers (fused qkv, o_proj, fused gate_up, down_proj) is quantized at
+load from the 16/32-bit weights: scale = absmax(row) / 127, weight = round(w / scale) in [-127, 127].
+Activations stay in the model dtype. The embeddings and the LM head stay in the model dtype (vLLM's
+default too: they are a small share of the bytes of all but the smallest models, and the LM head's
+error would reach every logit directly).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.config import QUANTIZATION_METHODS
+
+INT8_MAX = 127
+# torch._weight_int8pack_mm (CPU) is a row-by-row kernel. At the Qwen2.5-0.5B shapes on this
+# project's CPU machine it beats bf16 (oneDNN-packed) at 1 row by 1.0-2.0x, and dequantize-then-GEMM
+# up to 12-16 rows; at 64 rows it is 3-4x slower than dequantize-then-GEMM.
+INT8PACK_MAX_ROWS = 8
+# Its bf16 kernel reads K in blocks of 16: other K crash or return garbage (torch 2.13, measured).
+INT8PACK_K_MULTIPLE = 16
+
+
+# Checkpoint names of the weights quantize_model quantizes: every projection of every decoder layer
+# (self_attn.q_proj, mlp.down_proj, and a dual-FFN model's audio_mlp.gate_proj alike).
+_QUANTIZED_WEIGHT_NAME = re.compile(r"^model\.layers\.\d+\.(?:[a-z_]+\.)+[a-z_]+_proj\.weight$")
+
+
+def is_quantized_weight_name(name: str) -> bool:
+    return _QUANTIZED_WEIGHT_NAME.match(name) is not None
+
+
+def int8_weight_bytes(out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """Bytes one quantized weight takes: int8 values plus one scale per row in the model dtype."""
+    return out_features * in_features + out_features * dtype.itemsize
+
+
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) weight -> (int8 weight (out, in), scale (out,) in `scale_dtype`).
+
+    The int8 values are rounded against the scale as stored in `scale_dtype`, so dequantizing
+    (q * scale) is within scale / 2 of the original for every element.
+    """
+    w = weight.detach().to(torch.float32)
+    absmax = w.abs().amax(dim=1)
+    scale = (absmax / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
+    q = torch.round(w / scale.to(torch.float32)[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), scale
+
+
+class Int8Linear(nn.Module):
+    """A Linear whose weight is int8 with per-output-channel scales; computes in the input's dtype.
+
+    Not an nn.Linear subclass on purpose: code that handles nn.Linear weights (the loader's oneDNN
+    packing) must not take these for 16-bit weights.
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.weight = nn.Parameter(weight, requires_grad=False)  # (out, in) int8
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)  # (out,)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        q, scale = quantize_int8(linear.weight, linear.weight.dtype)
+        return cls(q, scale, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, self.in_features)
+        out = self._int8pack(x2d) if self._int8pack_applies(x2d) else self._generic(x2d)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _int8pack_applies(self, x2d: torch.Tensor) -> bool:
+        return (x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 == self.weight_scale.dtype
+                and x2d.shape[0] <= INT8PACK_MAX_ROWS and self.in_features % INT8PACK_K_MULTIPLE == 0)
+
+    def _int8pack(self, x2d: torch.Tensor) -> torch.Tensor:
+        """CPU bf16 fast path: the int8 weight is read as is, never widened in memory."""
+        return torch._weight_int8pack_mm(x2d.contiguous(), self.weight, self.weight_scale)
+
+    def _generic(self, x2d: torch.Tensor) -> torch.Tensor:
+        """Any device and dtype: widen the int8 weight (exact in 16 bits), multiply, then scale."""
+        return F.linear(x2d, self.weight.to(x2d.dtype)) * self.weight_scale.to(x2d.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Swap every nn.Linear inside the decoder layers for its quantized form. Returns how many."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; got {method!r}.")
+    count = 0
+    for layer in model.decoder_layers():
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, Int8Linear.from_linear(child))
+                    count += 1
+    return count

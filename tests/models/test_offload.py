@@ -1,0 +1,124 @@
+"""--cpu-offload-gb: refused on a CPU-only engine; the offload mechanism itself is device-agnostic and
+runs here with host = device = CPU (through the engine config, which the CPU refusal in EngineArgs
+guards): outputs identical to the run without it, the last layers' weights kept on the host side
+between forwards, and the plan counting the device-resident weights plus one layer's copy."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.memory.dry_run import dry_run_plan
+from pagedllm.memory.model_size import layer_weight_bytes_from_config
+from pagedllm.memory.plan import GiB
+from pagedllm.model_executor.offload import num_offloaded_layers, param_bytes
+from tests.helpers import make_tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(30, 63)), [11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("offload") / "qwen3", "qwen3", num_hidden_layers=4)
+
+
+def _engine(path, offload_bytes: int, quantization: str | None = None) -> LLMEngine:
+    """An engine on the CPU whose config asks for offloading (the way a CUDA engine's would)."""
+    config = EngineArgs(model=str(path), dtype="float32", max_model_len=64, device="cpu",
+                        quantization=quantization, num_gpu_blocks_override=64).create_engine_config()
+    return LLMEngine(replace(config, model=replace(config.model, cpu_offload_bytes=offload_bytes)))
+
+
+def _greedy(engine: LLMEngine) -> dict[str, tuple[list[int], list[float]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                outs[out.request_id] = (c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+    return outs
+
+
+def test_cpu_offload_is_refused_on_a_cpu_engine(four_layers):
+    with pytest.raises(ValueError, match="nothing to do on a CPU-only engine.*already live in host memory"):
+        LLM(str(four_layers), device="cpu", cpu_offload_gb=1)
+    with pytest.raises(ValueError, match="cpu_offload_gb must be a number of GiB >= 0"):
+        EngineArgs(model=str(four_layers), device="cpu", cpu_offload_gb=-1).create_engine_config()
+    assert EngineArgs(model=str(four_layers), device="cpu").create_engine_config().model.cpu_offload_bytes == 0
+
+
+def test_offloaded_layers_count():
+    assert num_offloaded_layers(0, 100, 4) == 0
+    assert num_offloaded_layers(99, 100, 4) == 0  # less than one layer: nothing
+    assert num_offloaded_layers(250, 100, 4) == 2  # whole layers only
+    assert num_offloaded_layers(10**9, 100, 4) == 4
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_offloaded_run_is_identical_and_keeps_the_last_layers_on_the_host(four_layers, quantization):
+    reference = _greedy(_engine(four_layers, 0, quantization))
+    layer_bytes = param_bytes(_engine(four_layers, 0, quantization).runner.model.decoder_layers()[0])
+    engine = _engine(four_layers, 2 * layer_bytes + 1, quantization)
+    layers = engine.runner.model.decoder_layers()
+    offloads = engine.runner.model.layer_offloads
+    assert len(offloads) == 2 and engine.runner.offloaded_weight_bytes == 2 * layer_bytes
+
+    # During its forward a layer computes with fresh copies; between forwards it holds the host tensors.
+    seen_during_forward = []
+
+    def record(module, args):
+        seen_during_forward.append([p.data_ptr() for p in module.parameters()])
+    layers[3].register_forward_pre_hook(record)  # runs after the offload's own pre-hook
+    host_ptrs = [t.data_ptr() for _, t in offloads[1].host]
+    assert [p.data_ptr() for p in layers[3].parameters()] == host_ptrs
+
+    assert _greedy(engine) == reference  # identical tokens and logprobs
+    assert seen_during_forward and all(set(ptrs).isdisjoint(host_ptrs) for ptrs in seen_during_forward)
+    assert [p.data_ptr() for p in layers[3].parameters()] == host_ptrs
+    hosted = {id(p) for o in offloads for p, _ in o.host}
+    assert all(id(p) in hosted for layer in layers[2:] for p in layer.parameters())  # the last layers
+    assert not any(id(p) in hosted for layer in layers[:2] for p in layer.parameters())
+
+    # The plan: device-resident weights plus one layer's transient copy, from config shapes.
+    plan = engine.memory_plan
+    cfg = engine.config.model.hf_config
+    assert layer_weight_bytes_from_config(cfg, engine.config.model.dtype, quantization) == layer_bytes
+    assert plan.offloaded_layers == 2 and plan.offloaded_weight_bytes == 2 * layer_bytes
+    runner = engine.runner
+    assert plan.weight_bytes == runner.weight_bytes - runner.offloaded_weight_bytes + layer_bytes
+    assert "2 of 4 layers" in plan.table()
+
+
+def _cuda_plan(**changes):
+    args = EngineArgs(model="llama-3.1-8b", dtype="bfloat16", max_model_len=8192, device="cuda", **changes)
+    return dry_run_plan(args, device="cuda", device_memory="16GiB")
+
+
+def test_cpu_offload_is_a_fix_on_a_cuda_device_with_the_smallest_size_that_fits():
+    plan = _cuda_plan()
+    assert not plan.fits
+    fix = next(f for f in plan.fixes() if f.flag == "--cpu-offload-gb")
+    fixed = _cuda_plan(cpu_offload_gb=float(fix.value))
+    assert fixed.fits and fix.effect.startswith(fixed.effect()) and "saved)" in fix.effect
+    layer = fixed.model.layer_weight_bytes(fixed.settings)
+    n = fixed.offloaded_layers
+    assert fixed.weight_bytes == plan.weight_bytes - (n - 1) * layer  # one layer's copy stays on the device
+    assert not _cuda_plan(cpu_offload_gb=(n - 1) * layer / GiB).fits  # one layer fewer does not fit
+    assert fixed.to_json()["offloaded_layers"] == n
+
+
+def test_no_offload_fix_where_it_cannot_help():
+    assert _cuda_plan(cpu_offload_gb=0.41).offloaded_layers == 1  # one 8B layer is 0.41 GiB
+    assert _cuda_plan(cpu_offload_gb=0.41).weight_bytes == _cuda_plan().weight_bytes  # one layer saves nothing
+    unified = dry_run_plan(EngineArgs(model="llama-3.1-8b", dtype="bfloat16", max_model_len=8192),
+                           device="cuda", device_memory="16GiB", unified=True)
+    assert not unified.fits and "--cpu-offload-gb" not in {f.flag for f in unified.fixes()}
+    on_cpu = dry_run_plan(EngineArgs(model="llama-3.1-8b", dtype="bfloat16", max_model_len=8192),
+                          device="cpu", device_memory="16GiB")
+    assert not on_cpu.fits and "--cpu-offload-gb" not in {f.flag for f in on_cpu.fixes()}
