@@ -166,3 +166,23 @@ def test_flags_turn_prefix_caching_on_and_off():
 def test_enable_prefix_caching_must_be_a_bool(path):
     with pytest.raises(TypeError, match="enable_prefix_caching"):
         LLM(str(path), enable_prefix_caching="no", **ENGINE)
+
+
+def test_bench_throughput_reports_prefix_cache_hits_of_a_shared_prefix(tiny_models, tmp_path):
+    import json
+
+    from pagedllm.bench.throughput import main as bench_main
+
+    out = tmp_path / "bench.json"
+    common = ["--model", str(tiny_models["llama"]), "--dtype", "float32", "--max-model-len", "128",
+              "--block-size", "4", "--num-prompts", "6", "--prefix-len", "32", "--input-len", "8",
+              "--output-len", "4", "--ignore-eos", "--output-json", str(out)]
+    assert bench_main(common) == 0
+    (on,) = json.loads(out.read_text())["results"]
+    assert on["prefix_cache_queried_tokens"] == 6 * 40
+    # The first request computes the 32-token prefix; the other five hit its 8 full blocks (the warm-up
+    # ran on reversed prompts and left nothing to hit).
+    assert on["prefix_cache_hit_tokens"] == 5 * 32
+    assert bench_main([*common, "--no-enable-prefix-caching"]) == 0
+    (off,) = json.loads(out.read_text())["results"]
+    assert off["prefix_cache_hit_tokens"] == 0

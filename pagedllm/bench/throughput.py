@@ -68,12 +68,13 @@ def make_llm(args):
 
 
 def preemption_counts(llm) -> dict[str, int]:
-    """The engine's preemption and swap totals so far."""
+    """The engine's preemption, swap and prefix-cache totals so far."""
     engine = llm.llm_engine
-    pre, swap = engine.preemption_stats, engine.swap_stats
+    pre, swap, cache = engine.preemption_stats, engine.swap_stats, engine.prefix_cache_stats
     return {"swap_preemptions": pre.swap, "recompute_preemptions": pre.recompute,
             "recomputed_tokens": pre.recomputed_tokens, "swapped_out_blocks": swap.swapped_out_blocks,
-            "swapped_in_blocks": swap.swapped_in_blocks}
+            "swapped_in_blocks": swap.swapped_in_blocks, "prefix_cache_queried_tokens": cache.queries,
+            "prefix_cache_hit_tokens": cache.hits}
 
 
 def run_pagedllm(args, requests: list[BenchRequest], llm=None, report: dict | None = None) -> float:
@@ -84,7 +85,9 @@ def run_pagedllm(args, requests: list[BenchRequest], llm=None, report: dict | No
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
               for r in requests]
-    llm.generate(prompts[:2], [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False)  # warm-up
+    # Warm-up on reversed prompts, so that it leaves nothing in the prefix cache the timed run could hit.
+    warm_up = [{"prompt_token_ids": r.prompt_token_ids[::-1]} for r in requests[:2]]
+    llm.generate(warm_up, [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False)
     before = preemption_counts(llm)
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=True)
@@ -218,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"pagedllm preemptions: {preemptions['swap_preemptions']} swap "
                       f"({preemptions['swapped_out_blocks']} blocks out, {preemptions['swapped_in_blocks']} in), "
                       f"{preemptions['recompute_preemptions']} recompute "
-                      f"({preemptions['recomputed_tokens']} computed tokens dropped)", flush=True)
+                      f"({preemptions['recomputed_tokens']} computed tokens dropped); prefix cache hits "
+                      f"{preemptions['prefix_cache_hit_tokens']} of {preemptions['prefix_cache_queried_tokens']} "
+                      f"prompt tokens", flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "backend"} | {"backends": backends,
                 "num_requests": len(requests), "input_tokens": in_tokens, "output_tokens": out_tokens}
     if args.output_json:
