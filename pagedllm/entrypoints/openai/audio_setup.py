@@ -58,6 +58,6 @@ def create_audio_serving(engine: AsyncLLMEngine, ctx: ServingContext, audio: Aud
     cache = EncodedAudioCache(audio.mm_cache_bytes) if audio.mm_cache_bytes else None
     logger.info("audio: %s (%d codebooks, %d Hz, %d frames/s), %d voices, encoded-audio cache %s, limit %s per prompt",
                 codec.name, codec.num_codebooks, codec.sampling_rate, codec.frame_rate, len(voices),
-                f"{audio.mm_cache_bytes} bytes" if cache else "off",
+                f"{audio.mm_cache_bytes} bytes" if cache is not None else "off",
                 audio.limit_audio_per_prompt if audio.limit_audio_per_prompt is not None else "none")
     return AudioServing(ctx, codec, llm_engine.tokenizer, spec, voices, cache, audio.limit_audio_per_prompt)

@@ -119,10 +119,10 @@ class AudioServing:
         codes = await self.encode_reference(await self.codec(preset.read_bytes), preset.format, param)
         return [Turn("user", preset.transcript), Turn("assistant", audio=codes)]
 
-    def check_limit(self, num_audio: int) -> None:
+    def check_limit(self, num_audio: int, param: str) -> None:
         if self.limit_audio is not None and num_audio > self.limit_audio:
             raise APIError(400, f"at most {self.limit_audio} audio items per prompt (--limit-mm-per-prompt "
-                                f"audio={self.limit_audio}); this request has {num_audio}", "messages")
+                                f"audio={self.limit_audio}); this request has {num_audio}", param)
 
     # -- generation ---------------------------------------------------------------------------
     async def generate(self, conversation: Conversation, params: SamplingParams, prefix: str,
@@ -170,7 +170,7 @@ async def create_speech(a: AudioServing, req: SpeechRequest, raw: Request) -> Re
     if req.speed != 1.0:
         raise APIError(400, f"speed {req.speed} is not supported: the model speaks at its own pace (1.0)", "speed")
     check_text(req.input, "input")
-    a.check_limit(0 if req.voice is None else 1)
+    a.check_limit(0 if req.voice is None else 1, "voice")
     turns = await a.voice_turns(req.voice, "voice")
     scene = check_text(req.instructions, "instructions") if req.instructions else DEFAULT_SCENE
     conversation = Conversation(turns + [Turn("user", req.input)], scene=scene)
@@ -203,11 +203,14 @@ async def _stream_audio(a: AudioServing, stream: AsyncIterator[RequestOutput], f
 
 # -- POST /v1/chat/completions with modalities ["text", "audio"] ------------------------------------
 
+def _num_input_audio(req: ChatCompletionRequest) -> int:
+    return sum(1 for m in req.messages if isinstance(m.content, list)
+               for p in m.content if p.get("type") == "input_audio")
+
+
 def wants_audio(req: ChatCompletionRequest) -> bool:
     """Audio output asked for, or audio input given: the speech path's business."""
-    has_input_audio = any(isinstance(m.content, list) and any(p.get("type") == "input_audio" for p in m.content)
-                          for m in req.messages)
-    return "audio" in (req.modalities or []) or req.audio is not None or has_input_audio
+    return "audio" in (req.modalities or []) or req.audio is not None or _num_input_audio(req) > 0
 
 
 async def create_audio_chat_completion(a: AudioServing, req: ChatCompletionRequest, raw: Request) -> dict:
@@ -218,14 +221,15 @@ async def create_audio_chat_completion(a: AudioServing, req: ChatCompletionReque
     for param, bad in (("stream", req.stream), ("n", req.n != 1), ("logprobs", req.logprobs),
                        ("tools", bool(req.tools)), ("echo", req.echo), ("stop", bool(req.stop)),
                        ("stop_token_ids", bool(req.stop_token_ids)), ("prompt_logprobs", req.prompt_logprobs),
-                       ("chat_template", req.chat_template), ("add_generation_prompt", not req.add_generation_prompt)):
+                       ("chat_template", req.chat_template), ("add_generation_prompt", not req.add_generation_prompt),
+                       ("ignore_eos", req.ignore_eos), ("min_tokens", req.min_tokens != 0)):  # audio ends by its codes
         if bad:
             raise APIError(400, f"{param} is not supported with audio output", param)
     audio = req.audio
     fmt = _output_format(audio.format if audio is not None else "wav", "audio.format")
     voice = audio.voice if audio is not None else None
-    system, turns, num_audio = await _conversation(a, req)
-    a.check_limit(num_audio + (voice is not None))
+    a.check_limit(_num_input_audio(req) + (voice is not None), "messages")  # before encoding any of them
+    system, turns = await _conversation(a, req)
     turns = await a.voice_turns(voice, "audio.voice") + turns
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling_params(a.ctx, req, max_tokens, None, None, "top_logprobs")
@@ -243,14 +247,13 @@ async def create_audio_chat_completion(a: AudioServing, req: ChatCompletionReque
             "usage": _usage([out])}
 
 
-async def _conversation(a: AudioServing, req: ChatCompletionRequest) -> tuple[str, list[Turn], int]:
-    """OpenAI messages -> (system text, turns, number of audio items). A user message's input_audio parts
+async def _conversation(a: AudioServing, req: ChatCompletionRequest) -> tuple[str, list[Turn]]:
+    """OpenAI messages -> (system text, turns). A user message's input_audio parts
     are reference clips of its text (their transcript), placed as the assistant's audio turn after it;
     an assistant message must be input_audio. The last message is the user's text to speak."""
-    system, turns, num_audio = DEFAULT_SYSTEM, [], 0
+    system, turns = DEFAULT_SYSTEM, []
     for k, m in enumerate(req.messages):
         texts, clips = await _parts(a, m.content, f"messages[{k}]")
-        num_audio += len(clips)
         if m.role in ("system", "developer"):
             if clips:
                 raise APIError(400, f"messages[{k}]: a system message holds text only", "messages")
@@ -271,7 +274,7 @@ async def _conversation(a: AudioServing, req: ChatCompletionRequest) -> tuple[st
                            "messages")
     if not turns or turns[-1].role != "user" or not turns[-1].text.strip():
         raise APIError(400, "the last message must be a user message with the text to speak", "messages")
-    return system, turns, num_audio
+    return system, turns
 
 
 async def _parts(a: AudioServing, content, where: str) -> tuple[list[str], list[torch.Tensor]]:

@@ -1,0 +1,382 @@
+"""The seed's command, as written (our module name, a free port), serving a tiny Higgs Audio v2 model
+with a tiny audio tokenizer: speech, chat with audio, voices, limits, the encoded-audio cache, errors.
+
+Two servers: the seed command itself (no voices, no cache, 50 audio items), and one with voices, a
+cache and a limit of 2 audio items. Both start as subprocesses and are polled on /health.
+"""
+from __future__ import annotations
+
+import base64
+import io
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from tests.audio_helpers import (
+    make_tiny_audio_tokenizer,
+    make_tiny_higgs_tts,
+    sine_wave,
+)
+from tests.server.conftest import (
+    _free_port,
+    _stop_server,
+    _tail,
+    kv_idle,
+    metric,
+    metric_samples,
+    wait_until,
+)
+
+NAME = "higgs-audio-base-test"
+TEXT = "The sun rises in the east."
+
+
+def seed_command(model: Path, codec: Path, port: int) -> list[str]:
+    """The seed's command with our module name (and a free port instead of 8300)."""
+    return [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", NAME, "--audio-tokenizer-type", str(codec), "--limit-mm-per-prompt", "audio=50",
+            "--max-model-len", "2048", "--port", str(port), "--gpu-memory-utilization", "0.8", "--swap-space", "4",
+            "--disable-mm-preprocessor-cache", "--enforce-eager"]
+
+
+def start(make_cmd, log_dir: Path, deadline_polls: int = 1200) -> tuple[subprocess.Popen, str]:
+    """Start on a free port; return once /health answers 200 (polled every 0.1 s, bounded)."""
+    port = _free_port()
+    err_path = log_dir / f"server-{port}.stderr"
+    with open(err_path, "wb") as err, open(log_dir / f"server-{port}.stdout", "wb") as out:
+        proc = subprocess.Popen(make_cmd(port), stdout=out, stderr=err)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}; stderr:\n{_tail(err_path)}")
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, "the audio server's /health", attempts=deadline_polls, interval_s=0.1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, url
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("audio-server")
+    voices = root / "voices"
+    voices.mkdir()
+    sf.write(voices / "alice.wav", sine_wave(0.6), 24000)
+    (voices / "alice.txt").write_text("Hello there.")
+    sf.write(voices / "bob.flac", sine_wave(0.5, rate=16000, freq=150.0), 16000)
+    (voices / "bob.txt").write_text("Good morning.")
+    return {"model": make_tiny_higgs_tts(root / "model", long_audio=True),
+            "codec": make_tiny_audio_tokenizer(root / "codec"), "voices": voices, "logs": root}
+
+
+@pytest.fixture(scope="module")
+def seed_url(files) -> Iterator[str]:
+    proc, url = start(lambda port: seed_command(files["model"], files["codec"], port), files["logs"])
+    try:
+        yield url
+    finally:
+        _stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def voices_url(files) -> Iterator[str]:
+    def cmd(port):
+        return [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", str(files["model"]),
+                "--served-model-name", NAME, "--audio-tokenizer-path", str(files["codec"]), "--port", str(port),
+                "--max-model-len", "512", "--limit-mm-per-prompt", '{"audio": 2}', "--mm-processor-cache-gb", "0.01",
+                "--voice-presets-dir", str(files["voices"])]
+    proc, url = start(cmd, files["logs"])
+    try:
+        yield url
+    finally:
+        _stop_server(proc)
+
+
+@pytest.fixture(scope="module")
+def offline(files):
+    """The offline engine on the same model: the codes the server must speak."""
+    from pagedllm import LLM
+
+    return LLM(str(files["model"]), max_model_len=2048)
+
+
+def speech(url: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/v1/audio/speech", json={"model": NAME, **body}, timeout=120)
+
+
+def wav_samples(data: bytes) -> tuple[np.ndarray, int]:
+    samples, rate = sf.read(io.BytesIO(data), dtype="int16")
+    return samples, rate
+
+
+def error_of(r: httpx.Response, status: int = 400) -> dict:
+    assert r.status_code == status, r.text
+    return r.json()["error"]
+
+
+# -- the seed command -----------------------------------------------------------------------------
+
+def test_the_seed_command_serves_and_plans_the_audio_tokenizer(seed_url):
+    models = httpx.get(f"{seed_url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [NAME]
+    plan = httpx.get(f"{seed_url}/v1/memory").json()
+    (codec,) = [c for c in plan["components"] if c["name"] == "audio tokenizer"]
+    assert codec["source"].startswith("measured") and codec["weight_bytes"] > 0 and codec["activation_peak_bytes"] > 0
+    assert plan["swap_space_bytes"] == 4 << 30  # --swap-space 4
+
+
+def test_speech_is_a_wav_of_transformers_decode_of_the_offline_codes(seed_url, offline, files):
+    from pagedllm import SamplingParams
+    from pagedllm.audio.prompt import Conversation, Turn, build_audio_prompt
+    from pagedllm.audio.tokenizer import audio_tokenizer_class
+
+    r = speech(seed_url, input=TEXT, response_format="wav", temperature=0.0, max_tokens=48)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "audio/wav"
+    got, rate = wav_samples(r.content)
+    assert rate == 24000
+
+    prompt = build_audio_prompt(Conversation([Turn("user", TEXT)]), offline.get_tokenizer())
+    (out,) = offline.generate([prompt.to_engine_prompt()], SamplingParams(temperature=0.0, max_tokens=48),
+                              use_tqdm=False)
+    codes = out.outputs[0].audio_codes
+    assert len(codes) > 10 and r.headers["x-audio-frames"] == str(len(codes))
+    with torch.no_grad():
+        reference = audio_tokenizer_class().from_pretrained(str(files["codec"])).eval().decode(
+            codes.T[None], return_dict=False)[0, 0].numpy()
+    buf = io.BytesIO()
+    sf.write(buf, reference, 24000, format="WAV", subtype="PCM_16")
+    expected, _ = wav_samples(buf.getvalue())
+    assert len(got) == len(codes) * 960
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_streamed_speech_is_the_same_audio(seed_url):
+    body = {"input": TEXT, "temperature": 0.0, "max_tokens": 60}
+    whole, _ = wav_samples(speech(seed_url, response_format="wav", **body).content)
+    with httpx.stream("POST", f"{seed_url}/v1/audio/speech", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+        chunks = list(r.iter_bytes())
+    streamed, rate = wav_samples(b"".join(chunks))
+    assert rate == 24000 and streamed.shape == whole.shape
+    assert np.abs(streamed.astype(int) - whole).max() <= 1  # float rounding: at most one 16-bit step
+    pcm = speech(seed_url, response_format="pcm", stream=True, **body)
+    assert pcm.headers["content-type"] == "audio/pcm" and len(pcm.content) == 2 * len(whole)
+
+
+def test_flac_and_mp3(seed_url):
+    body = {"input": TEXT, "temperature": 0.0, "max_tokens": 30}
+    wav, _ = wav_samples(speech(seed_url, response_format="wav", **body).content)
+    flac = speech(seed_url, response_format="flac", **body)
+    assert flac.headers["content-type"] == "audio/flac"
+    # libsndfile rounds float samples to 16 bits differently for FLAC and WAV: one step at most.
+    assert np.abs(wav_samples(flac.content)[0].astype(int) - wav).max() <= 1
+    mp3 = speech(seed_url, response_format="mp3", **body)
+    assert mp3.status_code == 200 and mp3.headers["content-type"] == "audio/mpeg"
+    assert sf.info(io.BytesIO(mp3.content)).format == "MP3"
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"response_format": "aac"}, "response_format", "response_format 'aac' is not supported; supported: pcm, wav"),
+    ({"speed": 1.5}, "speed", "speed 1.5 is not supported"),
+    ({"stream": True, "response_format": "flac"}, "response_format", "streaming sends wav or pcm"),
+    ({"voice": "alloy"}, "voice", "unknown voice 'alloy'; voices: none (start the server with --voice-presets-dir)"),
+    ({"max_tokens": 5000}, None, "maximum context length is 2048 tokens"),
+    ({"top_p": 2.0}, "top_p", "top_p"),
+    ({"volume": 3}, "volume", "Extra inputs are not permitted"),
+])
+def test_bad_speech_requests_get_a_400_and_the_server_stays_healthy(seed_url, body, param, message):
+    err = error_of(speech(seed_url, input=TEXT, **body))
+    assert message in err["message"]
+    if param is not None:
+        assert err["param"] == param
+    assert httpx.get(f"{seed_url}/health").status_code == 200
+
+
+def test_other_bad_inputs(seed_url):
+    assert error_of(speech(seed_url, input=""))["param"] == "input"
+    assert error_of(httpx.post(f"{seed_url}/v1/audio/speech", json={"model": "other", "input": "x"}), 404)
+    assert "audio=N" not in httpx.get(f"{seed_url}/v1/audio/voices").text  # an empty list, not an error
+    assert httpx.get(f"{seed_url}/v1/audio/voices").json() == {"object": "list", "data": []}
+
+
+def test_clients_that_leave_abort_their_requests(seed_url):
+    """1500 frames take the tiny model well over 5 s; a client leaving frees the blocks at once."""
+    long = {"model": NAME, "input": TEXT, "max_tokens": 1500, "temperature": 0.0}  # greedy: no early end
+    with httpx.Client(base_url=seed_url, timeout=30) as client:
+        def running():
+            return client.get("/v1/memory").json()["requests"]
+
+        with httpx.stream("POST", f"{seed_url}/v1/audio/speech", json={**long, "stream": True}, timeout=120) as r:
+            assert r.status_code == 200
+            chunks = r.iter_bytes()  # kept: dropping the iterator would close the response
+            next(chunks)  # the WAV header
+            wait_until(running, "the streamed request to run")
+        wait_until(lambda: kv_idle(client), "the streamed request's blocks to be freed", attempts=50, interval_s=0.1)
+        with pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/audio/speech", json=long, timeout=1.0)
+        wait_until(lambda: kv_idle(client), "the whole-file request's blocks to be freed", attempts=50, interval_s=0.1)
+    assert httpx.get(f"{seed_url}/health").status_code == 200
+    assert speech(seed_url, input="Still here.", max_tokens=8).status_code == 200
+
+
+def test_concurrent_speech_requests_run_in_one_batch(seed_url):
+    def multi_step_count() -> float:
+        """Engine steps that ran more than one sequence, from the step-size histogram."""
+        samples = metric_samples(seed_url)
+        total = sum(v for n, _, v in samples if n == "pagedllm:iteration_num_sequences_count")
+        single = sum(v for n, lab, v in samples if n == "pagedllm:iteration_num_sequences_bucket" and lab["le"] == "1.0")
+        return total - single
+
+    before = multi_step_count()
+    results: list[int] = []
+    threads = [threading.Thread(target=lambda i=i: results.append(
+        speech(seed_url, input=f"Sentence number {i}.", max_tokens=40, temperature=0.0).status_code)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [200] * 4
+    assert multi_step_count() - before >= 10  # steps that advanced several speech requests at once
+
+
+def test_chat_with_audio_output_through_the_openai_client(seed_url):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{seed_url}/v1", api_key="none")
+    reference = base64.b64encode(_wav_bytes(sine_wave(0.8, freq=180.0))).decode()
+    r = client.chat.completions.create(
+        model=NAME, modalities=["text", "audio"], audio={"voice": None, "format": "wav"}, max_tokens=40,
+        temperature=0.0,
+        messages=[{"role": "system", "content": "Generate audio following instruction."},
+                  {"role": "user", "content": [
+                      {"type": "text", "text": "Hello there."},
+                      {"type": "input_audio", "input_audio": {"data": reference, "format": "wav"}}]},
+                  {"role": "user", "content": TEXT}])
+    message = r.choices[0].message
+    assert message.content is None and message.audio.transcript == TEXT and message.audio.id.startswith("audio_")
+    samples, rate = wav_samples(base64.b64decode(message.audio.data))
+    assert rate == 24000 and len(samples) > 0 and len(samples) % 960 == 0
+    assert r.usage.prompt_tokens > 40  # the reference clip's frames are part of the prompt
+
+
+def test_bad_audio_inputs_get_a_400(seed_url):
+    def chat(messages, **extra):
+        body = {"model": NAME, "modalities": ["text", "audio"], "audio": {"format": "wav"}, "messages": messages}
+        return httpx.post(f"{seed_url}/v1/chat/completions", json=body | extra, timeout=60)
+
+    def ref(data: str, fmt: str = "wav"):
+        return [{"role": "user", "content": [{"type": "text", "text": "Hi."},
+                                             {"type": "input_audio", "input_audio": {"data": data, "format": fmt}}]},
+                {"role": "user", "content": TEXT}]
+
+    garbage = base64.b64encode(b"RIFF....WAVEfmt this is not audio" * 3).decode()
+    assert "could not be decoded as wav" in error_of(chat(ref(garbage)))["message"]
+    assert "Supported formats: wav" in error_of(chat(ref(garbage)))["message"]
+    assert "not valid base64" in error_of(chat(ref("@@not base64@@")))["message"]
+    assert "'aac' is not supported" in error_of(chat(ref(garbage, "aac")))["message"]
+    last_with_audio = [{"role": "user", "content": [{"type": "text", "text": TEXT}, {"type": "input_audio",
+                        "input_audio": {"data": base64.b64encode(_wav_bytes(sine_wave(0.2))).decode()}}]}]
+    assert "the last message is the text to speak" in error_of(chat(last_with_audio))["message"]
+    assert "must be audio" in error_of(chat([{"role": "assistant", "content": "hi"},
+                                             {"role": "user", "content": TEXT}]))["message"]
+    assert "audio.format 'aac'" in error_of(chat([{"role": "user", "content": TEXT}], audio={"format": "aac"}))[
+        "message"]
+    assert error_of(chat([{"role": "user", "content": TEXT}], modalities=["text"]))["param"] == "modalities"
+    assert error_of(chat([{"role": "user", "content": TEXT}], stream=True))["param"] == "stream"
+    assert httpx.get(f"{seed_url}/health").status_code == 200
+
+
+def test_a_text_model_refuses_audio(http):
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "modalities": ["text", "audio"],
+                                                "messages": [{"role": "user", "content": "hi"}]})
+    assert "has no audio" in error_of(r)["message"]
+    assert "has no audio" in error_of(http.post("/v1/audio/speech", json={"input": "hi"}))["message"]
+
+
+# -- voices, limits and the cache of encoded audio -------------------------------------------------
+
+def test_voices_from_the_presets_folder(voices_url):
+    data = httpx.get(f"{voices_url}/v1/audio/voices").json()["data"]
+    assert [(v["id"], v["transcript"], v["format"]) for v in data] == [
+        ("alice", "Hello there.", "wav"), ("bob", "Good morning.", "flac")]
+    r = speech(voices_url, input=TEXT, voice="bob", max_tokens=20, temperature=0.0)
+    assert r.status_code == 200 and wav_samples(r.content)[1] == 24000
+    # On CPU (and unified memory) the cache's host memory is the device's: planned, at its size limit.
+    components = {c["name"]: c for c in httpx.get(f"{voices_url}/v1/memory").json()["components"]}
+    assert components["multimodal cache (--mm-processor-cache-gb)"]["weight_bytes"] == int(0.01 * (1 << 30))
+
+
+def test_speech_through_the_openai_client(voices_url):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{voices_url}/v1", api_key="none")
+    r = client.audio.speech.with_raw_response.create(
+        model=NAME, voice="alice", input=TEXT, response_format="wav", instructions="A windy beach.",
+        extra_body={"max_tokens": 24, "temperature": 0.0})
+    assert r.headers["content-type"] == "audio/wav" and r.headers["x-audio-frames"] == "20"
+    samples, rate = wav_samples(r.content)
+    assert rate == 24000 and len(samples) == 20 * 960
+    with pytest.raises(openai.BadRequestError, match="speed 2.0 is not supported"):
+        client.audio.speech.create(model=NAME, voice="alice", input=TEXT, speed=2.0)
+
+
+def test_chat_with_a_preset_voice_and_a_reference_clip_through_the_openai_client(voices_url):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{voices_url}/v1", api_key="none")
+    clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(_wav_bytes(sine_wave(0.4))).decode(),
+                                                   "format": "wav"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "One."}, clip]},
+                {"role": "user", "content": TEXT}]
+    r = client.chat.completions.create(model=NAME, modalities=["text", "audio"], messages=messages, max_tokens=20,
+                                       audio={"voice": "alice", "format": "flac"})  # 2 audio items: the limit
+    assert sf.info(io.BytesIO(base64.b64decode(r.choices[0].message.audio.data))).format == "FLAC"
+    too_many = [{"role": "user", "content": [{"type": "text", "text": "Two."}, clip]}] + messages
+    with pytest.raises(openai.BadRequestError, match=r"at most 2 audio items per prompt \(--limit-mm-per-prompt "
+                                                     r"audio=2\); this request has 3"):
+        client.chat.completions.create(model=NAME, modalities=["text", "audio"], messages=too_many, max_tokens=20,
+                                       audio={"voice": "alice", "format": "wav"})
+    assert httpx.get(f"{voices_url}/health").status_code == 200
+
+
+def test_encoded_reference_audio_is_cached_by_content(voices_url, seed_url):
+    def counts(url):
+        return (metric(url, "pagedllm:mm_cache_queries_total"), metric(url, "pagedllm:mm_cache_hits_total"))
+
+    q0, h0 = counts(voices_url)
+    for _ in range(2):
+        assert speech(voices_url, input="Again.", voice="bob", max_tokens=4).status_code == 200
+    q1, h1 = counts(voices_url)
+    assert q1 - q0 == 2 and h1 - h0 >= 1  # the second request found bob's codes (the first may have too)
+    clip = base64.b64encode(_wav_bytes(sine_wave(0.3, freq=97.0))).decode()  # new content: a miss, then a hit
+    body = {"model": NAME, "modalities": ["text", "audio"], "max_tokens": 4, "audio": {"format": "wav"},
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Hm."}, {
+                "type": "input_audio", "input_audio": {"data": clip, "format": "wav"}}]},
+                {"role": "user", "content": "Yes."}]}
+    for _ in range(2):
+        assert httpx.post(f"{voices_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    assert counts(voices_url) == (q1 + 2, h1 + 1)
+    assert counts(seed_url) == (0, 0)  # --disable-mm-preprocessor-cache: no cache, no lookups
+
+
+def _wav_bytes(samples: np.ndarray, rate: int = 24000) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
