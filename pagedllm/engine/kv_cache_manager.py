@@ -105,12 +105,7 @@ class KVCacheManager:
         if self.block_tables.get(request.request_id):
             raise RuntimeError(f"request {request.request_id} already holds blocks: only a new table starts "
                                f"from a cached prefix")
-        blocks = []
-        for block_hash in self.block_hashes(request)[:(request.num_tokens - 1) // self.block_size]:
-            block = self.pool.cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = self._cached_run(request, (request.num_tokens - 1) // self.block_size)
         return CachedPrefix(tuple(blocks), len(blocks) * self.block_size, request.num_tokens)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, prefix: CachedPrefix | None = None) -> bool:
@@ -226,8 +221,12 @@ class KVCacheManager:
         """The longest run of the request's computed full blocks still findable in the prefix cache."""
         if not self.enable_caching:
             return []
+        return self._cached_run(request, request.num_computed_tokens // self.block_size)
+
+    def _cached_run(self, request: Request, max_blocks: int) -> list[int]:
+        """Cached blocks of the request's first full blocks, up to `max_blocks`, stopping at the first miss."""
         blocks = []
-        for block_hash in self.block_hashes(request)[:request.num_computed_tokens // self.block_size]:
+        for block_hash in self.block_hashes(request)[:max_blocks]:
             block = self.pool.cached_block(block_hash)
             if block is None:
                 break
