@@ -185,7 +185,7 @@ def test_plan_swap_line_equals_the_host_tensor(path, kv_cache_dtype):
     engine, plan = llm.llm_engine, llm.memory_plan
     host, device = engine.runner.swap_cache, engine.runner.kv_cache
     assert host.device.type == "cpu" and host.dtype == device.dtype
-    assert host.shape[:2] == device.shape[:2] and host.shape[3:] == device.shape[3:]  # the same per-layer layout
+    assert host.shape[:3] == device.shape[:3] and host.shape[4:] == device.shape[4:]  # the same per-layer layout
     assert plan.swap_bytes == host.numel() * host.element_size()
     assert plan.num_swap_blocks == engine.num_swap_blocks == engine.kv_cache.host_pool.num_blocks
     assert plan.block_bytes == engine.runner.kv_block_bytes

@@ -19,14 +19,13 @@ from pagedllm.utils import cdiv
 
 @dataclass
 class AttentionGroup:
-    """Requests batched together: B requests, queries padded to max_q, keys padded to max_kv."""
+    """Requests batched together: B requests, queries padded to max_q, keys to their longest block table."""
 
     query_index: torch.Tensor  # (B, max_q) flat token index of each query (padding -> 0)
     dest_index: torch.Tensor  # (n_real,) flat token index of each real query
     src_index: torch.Tensor  # (n_real,) its position in the flattened (B * max_q) group output
     block_index: torch.Tensor  # (B, blocks) the block table of each request (padding -> block 0)
-    max_kv: int  # longest key sequence in the group
-    mask: torch.Tensor  # (B, 1, max_q, max_kv) True where a query may attend to a key
+    mask: torch.Tensor  # (B, 1, max_q, blocks * block_size) True where a query may attend to a key
     is_decode: bool  # every request has exactly one query
 
 
@@ -58,7 +57,7 @@ class PagedAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        # (num_blocks * block_size, kv_heads, head_dim) views into the cache, set by bind_kv_cache.
+        # (kv_heads, num_blocks * block_size, head_dim) views into the cache, set by bind_kv_cache.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
         # Per-tensor scales of an fp8 cache (stored = x / scale), from the checkpoint or 1.0.
@@ -72,22 +71,17 @@ class PagedAttention(nn.Module):
         write_kv(self.k_cache, meta.slot_mapping, k, self.k_scale)
         write_kv(self.v_cache, meta.slot_mapping, v, self.v_scale)
         out = torch.empty_like(q)
-        k_blocks = self.k_cache.view(-1, meta.block_size, self.num_kv_heads, self.head_dim)
-        v_blocks = self.v_cache.view(-1, meta.block_size, self.num_kv_heads, self.head_dim)
         for g in meta.groups:
-            # Whole blocks are gathered (one contiguous copy each, in the model dtype), then viewed as
-            # positions: (B, kv_heads, max_kv, dim).
-            b = g.block_index.shape[0]
-            kg = read_kv(k_blocks, g.block_index, self.k_scale, q.dtype)
-            vg = read_kv(v_blocks, g.block_index, self.v_scale, q.dtype)
-            kg = kg.view(b, -1, self.num_kv_heads, self.head_dim)[:, : g.max_kv].transpose(1, 2)
-            vg = vg.view(b, -1, self.num_kv_heads, self.head_dim)[:, : g.max_kv].transpose(1, 2)
+            # One gather per tensor of the group's whole blocks, already (kv_heads, B, keys, dim):
+            # the head-major cache makes each block of one head a contiguous run of positions.
+            kg = read_kv(self.k_cache, g.block_index, meta.block_size, self.k_scale, q.dtype)
+            vg = read_kv(self.v_cache, g.block_index, meta.block_size, self.v_scale, q.dtype)
             if g.is_decode:
                 out[g.dest_index] = self._decode_attention(q[g.dest_index], kg, vg, g.mask)
                 continue
             qg = q[g.query_index].transpose(1, 2)  # (B, heads, max_q, dim)
             og = F.scaled_dot_product_attention(
-                qg, kg, vg, attn_mask=g.mask, scale=self.scale,
+                qg, kg.transpose(0, 1), vg.transpose(0, 1), attn_mask=g.mask, scale=self.scale,
                 enable_gqa=self.num_kv_heads != self.num_heads,
             )
             og = og.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # (B * max_q, heads, dim)
@@ -97,16 +91,32 @@ class PagedAttention(nn.Module):
     def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
         """One query per request: two small batched matmuls beat SDPA's CPU kernel ~10x here.
 
-        Same arithmetic as the reference's eager attention: scores in the model dtype, softmax in
-        float32. Query heads h*g .. h*g+g-1 share KV head h, so GQA is a reshape, not a copy.
+        q: (B, heads, dim); k, v: (kv_heads, B, keys, dim). Same arithmetic as the reference's eager
+        attention: scores in the model dtype, softmax in float32. Query heads h*g .. h*g+g-1 share
+        KV head h, so GQA is a reshape, not a copy.
         """
         b = q.shape[0]
         group = self.num_heads // self.num_kv_heads
-        qg = q.view(b, self.num_kv_heads, group, self.head_dim)  # (B, kv_heads, group, dim)
-        scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale  # (B, kv_heads, group, max_kv)
-        scores = scores.float().masked_fill_(~mask.view(b, 1, 1, -1), float("-inf"))
+        qg = q.view(b, self.num_kv_heads, group, self.head_dim).transpose(0, 1)  # (kv_heads, B, group, dim)
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale  # (kv_heads, B, group, keys)
+        scores = scores.float().masked_fill_(~mask.view(1, b, 1, -1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.matmul(probs, v).view(b, self.num_heads, self.head_dim)
+        return torch.matmul(probs, v).transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
+
+
+def kv_cache_shape(num_layers: int, num_kv_heads: int, num_slots: int, head_dim: int) -> tuple[int, ...]:
+    """Every layer's K and V in one tensor, head-major: (layers, 2, kv_heads, slots, head_dim).
+
+    A block of one head is then a contiguous run of positions, so attention gathers a request's
+    keys straight into the (kv_heads, B, keys, dim) layout its matmuls read, with no transposing copy.
+    """
+    return (num_layers, 2, num_kv_heads, num_slots, head_dim)
+
+
+def bind_kv_cache(layers: list[PagedAttention], kv_cache: torch.Tensor | None) -> None:
+    """Give each attention layer its views of a kv_cache_shape() tensor (None unbinds them)."""
+    for i, attn in enumerate(layers):
+        attn.k_cache, attn.v_cache = (None, None) if kv_cache is None else (kv_cache[i, 0], kv_cache[i, 1])
 
 
 def build_attention_metadata(
@@ -143,12 +153,11 @@ def build_attention_metadata(
 def _build_group(members, start, lens, offsets, table, block_size, device) -> AttentionGroup:
     g_start, g_len, g_off, g_table = start[members], lens[members], offsets[members], table[members]
     max_q = int(g_len.max())
-    max_kv = int((g_start + g_len).max())
+    num_blocks = cdiv(int((g_start + g_len).max()), block_size)
     q_pos = torch.arange(max_q)
     real = q_pos[None, :] < g_len[:, None]  # (B, max_q)
     query_index = torch.where(real, g_off[:, None] + q_pos[None, :], 0)
-    kv_pos = torch.arange(max_kv)
-    num_blocks = cdiv(max_kv, block_size)
+    kv_pos = torch.arange(num_blocks * block_size)  # keys are whole gathered blocks; the mask trims them
     # A query at absolute position p sees keys 0..p; padded query rows see key 0 (never read).
     q_abs = g_start[:, None] + q_pos[None, :]  # (B, max_q)
     mask = kv_pos[None, None, :] <= q_abs[:, :, None]
@@ -159,7 +168,6 @@ def _build_group(members, start, lens, offsets, table, block_size, device) -> At
         dest_index=query_index.flatten()[flat_real].to(device),
         src_index=torch.nonzero(flat_real).flatten().to(device),
         block_index=g_table[:, :num_blocks].contiguous().to(device),
-        max_kv=max_kv,
         mask=mask.unsqueeze(1).to(device),
         is_decode=max_q == 1,
     )

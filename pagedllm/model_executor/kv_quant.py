@@ -42,20 +42,24 @@ def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
 
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: float) -> None:
-    """Store x (tokens, heads, dim) into cache rows `slots`."""
+    """Store x (tokens, heads, dim) into a head-major cache (heads, slots, dim) at `slots`."""
     if not is_fp8(cache.dtype):
-        cache.index_copy_(0, slots, x.to(cache.dtype))
+        cache.index_copy_(1, slots, x.transpose(0, 1).to(cache.dtype))
         return
     # index_copy_ has no float8 kernel: copy the bytes.
-    cache.view(torch.uint8).index_copy_(0, slots, quantize(x, scale, cache.dtype).view(torch.uint8))
+    cache.view(torch.uint8).index_copy_(1, slots, quantize(x, scale, cache.dtype).transpose(0, 1).view(torch.uint8))
 
 
-def read_kv(blocks: torch.Tensor, block_index: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Gather whole blocks (indexed by block_index) in the compute dtype."""
-    if not is_fp8(blocks.dtype):
-        return blocks[block_index].to(dtype)
-    raw = blocks.view(torch.uint8)[block_index].view(blocks.dtype)  # gathered as bytes, like the write
-    return dequantize(raw, scale, dtype)
+def read_kv(cache: torch.Tensor, block_index: torch.Tensor, block_size: int, scale: float,
+            dtype: torch.dtype) -> torch.Tensor:
+    """The blocks of B block tables (B, blocks) from a head-major cache (heads, slots, dim), as
+    (heads, B, blocks * block_size, dim) in the compute dtype: one gather of contiguous runs."""
+    heads, _, dim = cache.shape
+    b, n = block_index.shape
+    raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache  # fp8 gathered as bytes, like the write
+    out = raw.view(heads, -1, block_size, dim).index_select(1, block_index.flatten())
+    out = out.view(heads, b, n * block_size, dim)
+    return dequantize(out.view(cache.dtype), scale, dtype) if is_fp8(cache.dtype) else out.to(dtype)
 
 
 def kv_scale_target(name: str) -> tuple[int, tuple[str, ...]] | None:

@@ -10,7 +10,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.memory.profiler import measure_peak_bytes
-from pagedllm.model_executor.attention import build_attention_metadata, forward_context
+from pagedllm.model_executor.attention import bind_kv_cache, build_attention_metadata, forward_context, kv_cache_shape
 from pagedllm.model_executor.audio_runner import (
     audio_forward_inputs,
     profile_audio_inputs,
@@ -78,21 +78,19 @@ class ModelRunner:
         return sum(offload.num_bytes for offload in self.model.layer_offloads)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One tensor for every layer's K and V; each attention layer gets views of its slice."""
+        """One tensor for every layer's K and V (kv_cache_shape); each attention layer gets views of its slice."""
         m = self.config.model
-        slots = num_blocks * self.block_size
+        shape = kv_cache_shape(m.num_layers, m.num_kv_heads, num_blocks * self.block_size, m.head_dim)
         # Zeros, not empty: padded key positions are multiplied by 0 attention, and 0 * NaN is NaN.
-        self.kv_cache = torch.zeros((m.num_layers, 2, slots, m.num_kv_heads, m.head_dim),
-                                    dtype=self.config.kv_cache_dtype, device=self.device)
-        for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.kv_cache = torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
+        bind_kv_cache(self.model.attention_layers(), self.kv_cache)
 
     # -- swap space ---------------------------------------------------------------------------------
     def _block_view(self, cache: torch.Tensor) -> torch.Tensor:
-        """A KV tensor as raw bytes, (layers, 2, blocks, bytes of one block of one layer's K or V): one
+        """A KV tensor as raw bytes, (layers, 2, kv_heads, blocks, bytes of one block of one head): one
         copy kernel for every cache dtype (fp8 has no index_copy_ of its own)."""
-        layers, kv, slots = cache.shape[:3]
-        return cache.view(torch.uint8).view(layers, kv, slots // self.block_size, -1)
+        layers, kv, heads, slots = cache.shape[:4]
+        return cache.view(torch.uint8).view(layers, kv, heads, slots // self.block_size, -1)
 
     @property
     def kv_block_bytes(self) -> int:
@@ -100,8 +98,8 @@ class ModelRunner:
         and layout, whatever --kv-cache-dtype made them)."""
         if self.kv_cache is None:
             raise RuntimeError("the KV cache is not allocated yet")
-        layers, kv, _, block = self._block_view(self.kv_cache).shape
-        return layers * kv * block
+        layers, kv, heads, _, block = self._block_view(self.kv_cache).shape
+        return layers * kv * heads * block
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         """Host memory for `num_blocks` swapped-out blocks, in the device cache's per-layer layout and
@@ -109,7 +107,7 @@ class ModelRunner:
         if num_blocks < 1:
             self.swap_cache = None
             return
-        shape = (*self.kv_cache.shape[:2], num_blocks * self.block_size, *self.kv_cache.shape[3:])
+        shape = (*self.kv_cache.shape[:3], num_blocks * self.block_size, self.kv_cache.shape[4])
         self.swap_cache = torch.zeros(shape, dtype=self.kv_cache.dtype, device="cpu",
                                       pin_memory=self.device.type == "cuda")
 
@@ -120,11 +118,11 @@ class ModelRunner:
         if step.blocks_to_swap_out:
             src, dst = self._copy_ids(step.blocks_to_swap_out)
             host, dev = self._block_view(self.swap_cache), self._block_view(self.kv_cache)
-            host.index_copy_(2, dst, dev.index_select(2, src.to(self.device)).cpu())
+            host.index_copy_(3, dst, dev.index_select(3, src.to(self.device)).cpu())
         if step.blocks_to_swap_in:
             src, dst = self._copy_ids(step.blocks_to_swap_in)
             host, dev = self._block_view(self.swap_cache), self._block_view(self.kv_cache)
-            dev.index_copy_(2, dst.to(self.device), host.index_select(2, src).to(self.device))
+            dev.index_copy_(3, dst.to(self.device), host.index_select(3, src).to(self.device))
 
     @staticmethod
     def _copy_ids(copies: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -224,5 +222,4 @@ class ModelRunner:
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None
-        for attn in self.model.attention_layers():
-            attn.k_cache = attn.v_cache = None
+        bind_kv_cache(self.model.attention_layers(), None)

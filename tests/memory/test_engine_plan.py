@@ -54,7 +54,7 @@ def test_engine_blocks_and_weights_match_the_plan(tiny_models, arch, dtype):
     assert plan.num_blocks == expected
     assert engine.kv_cache.pool.num_blocks == expected
     kv_cache = engine.runner.kv_cache
-    assert tuple(kv_cache.shape) == (cfg.num_hidden_layers, 2, expected * bs, cfg.num_key_value_heads,
+    assert tuple(kv_cache.shape) == (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, expected * bs,
                                      kv_cache.shape[-1])
     assert kv_cache.dtype == torch_dtype
     assert kv_cache.numel() * kv_cache.element_size() == plan.kv_cache_bytes == expected * bs * kv
@@ -74,7 +74,7 @@ def test_kv_cache_memory_decides_the_blocks(tiny_models):
     plan = llm.memory_plan
     assert plan.kv_budget_bytes == budget
     assert llm.llm_engine.kv_cache.pool.num_blocks == plan.num_blocks == budget // (16 * kv) == 62
-    assert llm.llm_engine.runner.kv_cache.shape[2] == 62 * 16
+    assert llm.llm_engine.runner.kv_cache.shape[3] == 62 * 16
 
 
 def test_auto_max_model_len_with_kv_cache_memory(tiny_models):
@@ -113,6 +113,6 @@ def test_too_small_kv_cache_memory_raises_with_the_max_seq_len_message(tiny_mode
 def test_num_gpu_blocks_override_is_used_as_is(tiny_models):
     llm = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64, num_gpu_blocks_override=9)
     assert llm.memory_plan.num_blocks == llm.llm_engine.kv_cache.pool.num_blocks == 9
-    assert llm.llm_engine.runner.kv_cache.shape[2] == 9 * 16
+    assert llm.llm_engine.runner.kv_cache.shape[3] == 9 * 16
     with pytest.raises(KVCacheMemoryError, match=r"^The model's max seq len \(64\)"):
         LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64, num_gpu_blocks_override=3)

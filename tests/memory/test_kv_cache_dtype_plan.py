@@ -29,7 +29,7 @@ def assert_allocation_is_the_plan(llm: LLM, dtype: torch.dtype) -> None:
     kv_cache = engine.runner.kv_cache
     assert kv_cache.dtype == dtype == plan.settings.kv_dtype
     assert kv_cache.numel() * kv_cache.element_size() == plan.kv_cache_bytes
-    assert kv_cache.shape[2] == plan.max_tokens_in_cache == plan.num_blocks * plan.settings.block_size
+    assert kv_cache.shape[3] == plan.max_tokens_in_cache == plan.num_blocks * plan.settings.block_size
     assert engine.kv_cache.pool.num_blocks == plan.num_blocks
 
 

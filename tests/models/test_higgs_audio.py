@@ -14,7 +14,7 @@ import torch
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.memory.model_size import num_params_from_config
-from pagedllm.model_executor.attention import build_attention_metadata, forward_context
+from pagedllm.model_executor.attention import bind_kv_cache, build_attention_metadata, forward_context, kv_cache_shape
 from pagedllm.model_executor.audio_sampling import (
     AudioGenerationState,
     RepetitionAwareSampling,
@@ -80,9 +80,8 @@ class PagedHarness:
         cfg = model.config
         self.model, self.block_size = model, block_size
         slots = num_seqs * blocks_per_seq * block_size
-        self.kv_cache = torch.zeros((cfg.num_hidden_layers, 2, slots, cfg.num_key_value_heads, cfg.head_dim))
-        for i, attn in enumerate(model.attention_layers()):
-            attn.k_cache, attn.v_cache = self.kv_cache[i, 0], self.kv_cache[i, 1]
+        self.kv_cache = torch.zeros(kv_cache_shape(cfg.num_hidden_layers, cfg.num_key_value_heads, slots, cfg.head_dim))
+        bind_kv_cache(model.attention_layers(), self.kv_cache)
         self.tables = [list(range(s * blocks_per_seq, (s + 1) * blocks_per_seq)) for s in range(num_seqs)]
         self.num_computed = [0] * num_seqs
 
