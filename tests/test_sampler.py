@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.engine.request import Request
-from pagedllm.model_executor.sampler import Sampler, _top_k_top_p
+from pagedllm.model_executor.sampler import Sampler, _top_k_top_p, argmax_rows
 from pagedllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -482,3 +482,27 @@ def test_penalties_shape_the_sampled_distribution() -> None:
     # Token 0's logit drops from 2 to 2 - 2 - 10 = -10: p ~ 1.5e-5 instead of 0.71.
     assert tokens.count(0) <= 2
     assert set(tokens) >= {1, 2, 3}
+
+
+@pytest.mark.parametrize("vocab", [50, 4096 + 7, 3 * 1024, 10_000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_torch_argmax(vocab, dtype):
+    """The chunked argmax gives torch.argmax's answer, the first maximum included, with ties across
+    chunks, inside a chunk, in a short last chunk and on rows of -inf."""
+    torch.manual_seed(vocab)
+    x = torch.randn(9, vocab).round(decimals=1).to(dtype)  # coarse values: many ties
+    x[1] = 0.0
+    x[2, [5 % vocab, (1024 * 2 + 5) % vocab]] = 50.0
+    x[3, -1] = 50.0
+    x[4, -3:] = 50.0
+    x[5] = float("-inf")
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+def test_sampler_leaves_the_callers_logits_alone():
+    """Sampling works in place on its own float32 copy, never on the model's logits."""
+    logits = torch.randn(3, 50)
+    before = logits.clone()
+    reqs = [make_req(temperature=0.7, min_tokens=2), make_req(temperature=0.0), make_req(temperature=1.0)]
+    Sampler(CPU, seed=0)(logits, reqs)
+    assert torch.equal(logits, before)

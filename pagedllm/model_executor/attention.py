@@ -7,7 +7,7 @@ The metadata is built once per step by the model runner and reached through the 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,8 @@ class AttentionGroup:
     block_index: torch.Tensor  # (B, blocks) the block table of each request (padding -> block 0)
     mask: torch.Tensor  # (B, 1, max_q, blocks * block_size) True where a query may attend to a key
     is_decode: bool  # every request has exactly one query
+    # Gather buffers shared by every layer in this step: (kv_heads, B, keys, dim) for K and for V.
+    kv_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,8 +76,9 @@ class PagedAttention(nn.Module):
         for g in meta.groups:
             # One gather per tensor of the group's whole blocks, already (kv_heads, B, keys, dim):
             # the head-major cache makes each block of one head a contiguous run of positions.
-            kg = read_kv(self.k_cache, g.block_index, meta.block_size, self.k_scale, q.dtype)
-            vg = read_kv(self.v_cache, g.block_index, meta.block_size, self.v_scale, q.dtype)
+            k_buf, v_buf = self._gather_buffers(g, meta.block_size, q)
+            kg = read_kv(self.k_cache, g.block_index, meta.block_size, self.k_scale, q.dtype, k_buf)
+            vg = read_kv(self.v_cache, g.block_index, meta.block_size, self.v_scale, q.dtype, v_buf)
             if g.is_decode:
                 out[g.dest_index] = self._decode_attention(q[g.dest_index], kg, vg, g.mask)
                 continue
@@ -87,6 +90,14 @@ class PagedAttention(nn.Module):
             og = og.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # (B * max_q, heads, dim)
             out[g.dest_index] = og[g.src_index]
         return out
+
+    def _gather_buffers(self, g: AttentionGroup, block_size: int, q: torch.Tensor):
+        b, n = g.block_index.shape
+        shape = (self.num_kv_heads, b, n * block_size, self.head_dim)
+        key = (q.dtype, shape)
+        if key not in g.kv_buffers:
+            g.kv_buffers[key] = (q.new_empty(shape), q.new_empty(shape))
+        return g.kv_buffers[key]
 
     def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
         """One query per request: two small batched matmuls beat SDPA's CPU kernel ~10x here.

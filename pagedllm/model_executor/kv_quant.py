@@ -51,15 +51,23 @@ def write_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: f
 
 
 def read_kv(cache: torch.Tensor, block_index: torch.Tensor, block_size: int, scale: float,
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """The blocks of B block tables (B, blocks) from a head-major cache (heads, slots, dim), as
-    (heads, B, blocks * block_size, dim) in the compute dtype: one gather of contiguous runs."""
+    (heads, B, blocks * block_size, dim) in the compute dtype: one gather of contiguous runs.
+
+    `out`, a buffer of that shape reused across layers, takes the gather when the cache is already
+    in the compute dtype (on CPU index_select into an existing buffer runs ~2x faster than into a
+    new one)."""
     heads, _, dim = cache.shape
     b, n = block_index.shape
-    raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache  # fp8 gathered as bytes, like the write
-    out = raw.view(heads, -1, block_size, dim).index_select(1, block_index.flatten())
-    out = out.view(heads, b, n * block_size, dim)
-    return dequantize(out.view(cache.dtype), scale, dtype) if is_fp8(cache.dtype) else out.to(dtype)
+    blocks = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache  # fp8 gathered as bytes, like the write
+    blocks = blocks.view(heads, -1, block_size, dim)
+    shape = (heads, b, n * block_size, dim)
+    if out is not None and cache.dtype == dtype:
+        torch.index_select(blocks, 1, block_index.flatten(), out=out.view(heads, b * n, block_size, dim))
+        return out.view(shape)
+    gathered = blocks.index_select(1, block_index.flatten()).view(shape)
+    return dequantize(gathered.view(cache.dtype), scale, dtype) if is_fp8(cache.dtype) else gathered.to(dtype)
 
 
 def kv_scale_target(name: str) -> tuple[int, tuple[str, ...]] | None:
