@@ -506,3 +506,38 @@ def test_sampler_leaves_the_callers_logits_alone():
     reqs = [make_req(temperature=0.7, min_tokens=2), make_req(temperature=0.0), make_req(temperature=1.0)]
     Sampler(CPU, seed=0)(logits, reqs)
     assert torch.equal(logits, before)
+
+
+def test_vocab_major_logits_give_the_same_tokens():
+    """The same logits laid out (vocab, rows), as the CPU LM head can produce them, sample the same
+    tokens: greedy, temperature, seeded and min_tokens rows alike."""
+    torch.manual_seed(1)
+    vocab = 5000  # 4 full chunks and a short one
+    logits = torch.randn(6, vocab) * 30.0  # a wide range: many logits more than 80 below the max
+    vocab_major = logits.T.contiguous().T
+    assert vocab_major.stride() == (1, 6)
+
+    def reqs():
+        return [make_req("g", temperature=0.0), make_req("t", temperature=0.8), make_req("s", temperature=1.0, seed=7),
+                make_req("m", eos={int(logits[3].argmax())}, temperature=1.0, min_tokens=3),
+                make_req("u", temperature=1.0), make_req("h", temperature=0.0)]
+
+    assert Sampler.reads_any_layout(reqs())
+    row_major_tokens = sample(Sampler(CPU, seed=3), logits, reqs())
+    assert [r.token_id for r in Sampler(CPU, seed=3)(vocab_major, reqs())] == row_major_tokens
+    assert row_major_tokens[3] != int(logits[3].argmax())
+    assert not Sampler.reads_any_layout([make_req(temperature=1.0, top_p=0.9)])
+    assert not Sampler.reads_any_layout([make_req(temperature=0.0, logprobs=1)])
+
+
+def test_far_below_max_tokens_keep_a_tiny_mass_and_banned_ones_none():
+    """Logits more than 80 below the max are raised to max - 80 before exp (a fast, normal float), so
+    they could still be drawn with mass ~2e-35; a min_tokens ban stays exactly 0 even when the
+    banned token holds the row's max."""
+    n, vocab = 400, 2100
+    logits = torch.full((n, vocab), -500.0)
+    logits[:, 0] = 50.0  # eos: the max, banned by min_tokens
+    logits[:, 1500] = -20.0  # the only other token within 80 of the max
+    sp = SamplingParams(min_tokens=5, temperature=1.0)
+    reqs = [Request(f"r{i}", [0], sp, eos_token_ids={0}, max_model_len=100) for i in range(n)]
+    assert set(sample(Sampler(CPU, seed=0), logits, reqs)) == {1500}

@@ -162,7 +162,11 @@ class ModelRunner:
             offset += n
         out = ModelRunnerOutput()
         if sample_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            rows = hidden[torch.tensor(sample_rows, device=self.device)]
+            if self.audio_spec is None and self.sampler.reads_any_layout(sample_reqs):
+                logits = self.model.compute_logits(rows, vocab_major=True)
+            else:
+                logits = self.model.compute_logits(rows)
             sample = self.sampler if self.audio_spec is None else self._sample_audio
             for req, row in zip(sample_reqs, sample(logits, sample_reqs)):
                 out.sampled[req.request_id] = row

@@ -43,16 +43,18 @@ class Sampler:
 
         logits = self._float_copy(logits)  # (rows, vocab), ours to change in place
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs >= 0 else None
-        logits = self._apply_min_tokens(logits, requests)
+        bans = self._min_tokens_bans(requests)
+        for i, banned in bans:
+            logits[i, banned] = _NEG_INF
         logits = self._apply_penalties(logits, requests)
         if all(greedy_rows):
             tokens = argmax_rows(logits)
         elif any(greedy_rows):
             greedy_tokens = argmax_rows(logits)  # before _sample reuses the logits in place
             greedy = torch.tensor(greedy_rows, device=logits.device)
-            tokens = torch.where(greedy, greedy_tokens, self._sample(logits, requests))
+            tokens = torch.where(greedy, greedy_tokens, self._sample(logits, requests, bans))
         else:
-            tokens = self._sample(logits, requests)
+            tokens = self._sample(logits, requests, bans)
 
         token_list = tokens.tolist()
         rows = [SampledRow(t) for t in token_list]
@@ -60,15 +62,30 @@ class Sampler:
             self._fill_logprobs(rows, raw_logprobs, tokens, params, max_logprobs)
         return rows
 
+    @staticmethod
+    def reads_any_layout(requests: list[Request]) -> bool:
+        """Whether this batch's logits may come vocab-major (the (rows, vocab) view of a (vocab, rows)
+        array): true when every step is elementwise or a reduction along the vocabulary; sorting (top-k,
+        top-p), softmaxes (min-p, logprobs) and penalties want rows contiguous."""
+        for r in requests:
+            p = r.sampling_params
+            if p.logprobs is not None or p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 \
+                    or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                return False
+        return True
+
     def _float_copy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits in float32, in a buffer kept from step to step: a batch's logits are tens of MB
-        (128 rows x 152k vocab = 78 MB), and on CPU a fresh array that size is mapped anew by malloc
-        every step, its page faults costing as much as the copy."""
+        """The logits in float32, in a buffer kept from step to step and in the logits' own layout
+        (row- or vocab-major: a transposing copy is slow). A batch's logits are tens of MB (128 rows x
+        152k vocab = 78 MB), and on CPU a fresh array that size is mapped anew by malloc every step,
+        its page faults costing as much as the copy."""
         rows, vocab = logits.shape
         buf = self._float_buffer
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != vocab or buf.device != logits.device:
-            buf = self._float_buffer = torch.empty((rows, vocab), dtype=torch.float32, device=logits.device)
-        return buf[:rows].copy_(logits)
+        if buf is None or buf.numel() < rows * vocab or buf.device != logits.device:
+            buf = self._float_buffer = torch.empty(rows * vocab, dtype=torch.float32, device=logits.device)
+        if _is_vocab_major(logits):
+            return buf[: rows * vocab].view(vocab, rows).copy_(logits.T).T
+        return buf[: rows * vocab].view(rows, vocab).copy_(logits)
 
     @staticmethod
     def _processes_logits(requests: list[Request]) -> bool:
@@ -83,14 +100,16 @@ class Sampler:
 
     # -- logits processing -------------------------------------------------------------------
     @staticmethod
-    def _apply_min_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _min_tokens_bans(requests: list[Request]) -> list[tuple[int, list[int]]]:
+        """(row, token ids) that min_tokens forbids this step: eos and stop tokens, before enough output."""
+        bans = []
         for i, r in enumerate(requests):
             p = r.sampling_params
             if r.num_output_tokens < p.min_tokens:
                 banned = list(r.eos_token_ids | set(p.stop_token_ids))
                 if banned:
-                    logits[i, banned] = _NEG_INF
-        return logits
+                    bans.append((i, banned))
+        return bans
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -118,7 +137,7 @@ class Sampler:
         logits = logits - freq * out_counts - pres * (out_counts > 0).float()
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[Request], bans: list[tuple[int, list[int]]]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
         device = logits.device
         temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
@@ -135,7 +154,13 @@ class Sampler:
             probs = probs.masked_fill(probs < threshold, 0.0)
         else:
             # sample_from_probs needs only relative masses: exp(logit - max) in place, no softmax division.
-            probs = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+            # exp is ~10-20x slower on -inf and on inputs whose result is subnormal, so logits more than
+            # 80 below the max are raised to -80: a mass of 2e-35 each, far below what a draw resolves.
+            # min_tokens' banned tokens then get exactly 0 again.
+            row_max = _chunk_reduce(logits, torch.amax).amax(dim=-1, keepdim=True)
+            probs = logits.sub_(row_max).clamp_(min=-80.0).exp_()
+            for i, banned in bans:
+                probs[i, banned] = 0.0
         # Inverse-CDF sampling: one uniform number per row, from the request's own generator
         # when it is seeded. (Cheaper on CPU than drawing a noise value for every vocabulary entry.)
         uniform = torch.rand(len(requests), dtype=torch.float64, device=device, generator=self.generator)
@@ -185,8 +210,32 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 _CHUNK = 1024
 
 
+def _is_vocab_major(x: torch.Tensor) -> bool:
+    """A (rows, vocab) tensor that is the transposed view of a contiguous (vocab, rows) array."""
+    return x.shape[0] > 1 and x.stride() == (1, x.shape[0])
+
+
+def _chunk_reduce(x: torch.Tensor, op) -> torch.Tensor:
+    """op (torch.amax or torch.sum) over each 1024-wide chunk of every row of a (rows, vocab) tensor,
+    row- or vocab-major, as (rows, chunks); the last chunk may be short. The reduction follows the
+    memory layout: along a strided dimension PyTorch's CPU reductions run ~30x slower."""
+    rows, vocab = x.shape
+    full = vocab // _CHUNK
+    if _is_vocab_major(x):
+        xt = x.T  # (vocab, rows), contiguous
+        parts = [op(xt[: full * _CHUNK].view(full, _CHUNK, rows), 1).T] if full else []
+        if vocab % _CHUNK:
+            parts.append(op(xt[full * _CHUNK:], 0, keepdim=True).T)
+    else:
+        parts = [op(x[:, : full * _CHUNK].reshape(rows, full, _CHUNK), -1)] if full else []
+        if vocab % _CHUNK:
+            parts.append(op(x[:, full * _CHUNK:], -1, keepdim=True))
+    return torch.cat(parts, dim=1)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """torch.argmax(x, dim=-1) (the first maximum of each row), for a (rows, vocab) tensor.
+    """torch.argmax(x, dim=-1) (the first maximum of each row), for a (rows, vocab) tensor in either
+    layout.
 
     PyTorch's CPU argmax is a scalar loop, ~2 ns per element (20 ms for 64 x 152k logits); amax is
     vectorised. So: the max of each 1024-wide chunk, the first chunk holding the row's max, then
@@ -195,11 +244,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     rows, vocab = x.shape
     if vocab <= 4 * _CHUNK:
         return x.argmax(dim=-1)
-    full = vocab // _CHUNK
-    maxes = [x[:, : full * _CHUNK].reshape(rows, full, _CHUNK).amax(-1)]
-    if vocab % _CHUNK:
-        maxes.append(x[:, full * _CHUNK:].amax(-1, keepdim=True))
-    chunk = torch.cat(maxes, dim=1).argmax(dim=-1, keepdim=True)  # (rows, 1)
+    chunk = _chunk_reduce(x, torch.amax).argmax(dim=-1, keepdim=True)  # (rows, 1): the first chunk with the max
     index = chunk * _CHUNK + torch.arange(_CHUNK, device=x.device)[None, :]
     inside = x.gather(1, index.clamp(max=vocab - 1))
     inside = inside.masked_fill(index >= vocab, float("-inf"))  # past the end of a short last chunk
@@ -213,12 +258,8 @@ def sample_from_probs(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tenso
     pick a chunk of 1024 tokens by the chunks' masses, then a token inside it by a float64
     cumulative sum of just that chunk. Never returns a token of probability zero.
     """
-    rows, vocab = probs.shape
-    full = vocab // _CHUNK
-    sums = [probs[:, : full * _CHUNK].view(rows, full, _CHUNK).sum(-1)] if full else []
-    if vocab % _CHUNK:
-        sums.append(probs[:, full * _CHUNK:].sum(-1, keepdim=True))
-    chunk_cdf = torch.cat(sums, dim=1).double().cumsum_(-1)  # (rows, chunks)
+    vocab = probs.shape[1]
+    chunk_cdf = _chunk_reduce(probs, torch.sum).double().cumsum_(-1)  # (rows, chunks)
     total = chunk_cdf[:, -1:]
     target = uniform[:, None] * total
     last_chunk = (chunk_cdf < total).sum(-1, keepdim=True)  # the last chunk with any mass

@@ -45,3 +45,24 @@ def test_float32_weights_are_left_alone():
     model = _TiedModel().eval()
     assert pack_linear_weights(model) == 0
     assert model.proj.weight.numel() == 96 * 64 and "forward" not in vars(model.head)
+
+
+@needs_bf16_mkldnn
+@pytest.mark.parametrize("rows", [1, 64])
+def test_vocab_major_logits_are_the_lm_heads_product(tmp_path, rows):
+    """compute_logits(vocab_major=True) on a tied bf16 head: the same products, laid out (vocab, rows);
+    an untied (packed) head ignores the request."""
+    from pagedllm import LLM
+    from tests.helpers import make_tiny_model
+
+    for tied in (True, False):
+        path = make_tiny_model(tmp_path / f"tied{tied}", "llama", tie_word_embeddings=tied)
+        model = LLM(str(path), dtype="bfloat16", max_model_len=64).llm_engine.runner.model
+        hidden = torch.randn(rows, model.config.hidden_size).to(torch.bfloat16)
+        with torch.inference_mode():
+            plain, vocab_major = model.compute_logits(hidden), model.compute_logits(hidden, vocab_major=True)
+        torch.testing.assert_close(vocab_major, plain, rtol=1.6e-2, atol=1e-2)
+        if tied and rows > 1:
+            assert vocab_major.stride() == (1, rows)
+        else:
+            assert vocab_major.is_contiguous()

@@ -133,7 +133,14 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, vocab_major: bool = False) -> torch.Tensor:
+        """(rows, vocab) logits. With vocab_major, a plain bf16 LM head on CPU (a tied embedding, see
+        pack_linear_weights) computes W @ hidden^T and returns that (vocab, rows) array's transposed
+        view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a caller that reads any layout."""
+        w = self.lm_head.weight
+        if vocab_major and hidden.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu" \
+                and w.numel() > 0 and self.lm_head.bias is None:
+            return (w @ hidden.T).T
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[nn.Module]:
