@@ -3,8 +3,10 @@ step they imply for a model at each batch size, and pagedllm's measured step bes
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
+import statistics
 import time
 
 import torch
@@ -48,8 +50,9 @@ def decode_floor(num_params: int, weight_bytes: int, kv_bytes_per_token: int, ba
             "bound": "memory" if t_mem >= t_compute else "compute"}
 
 
-def measure_decode_step(llm, batch: int, prompt_len: int, steps: int, seed: int) -> float:
-    """Mean wall time of a decode step with `batch` running sequences (after their prefill)."""
+def measure_decode_steps(llm, batch: int, prompt_len: int, steps: int, seed: int, before_each=None) -> list[float]:
+    """Wall time of each of `steps` decode steps with `batch` running sequences (after their prefill);
+    `before_each()`, if given, runs (untimed) before each timed step."""
     from pagedllm import SamplingParams
 
     engine = llm.llm_engine
@@ -61,13 +64,55 @@ def measure_decode_step(llm, batch: int, prompt_len: int, steps: int, seed: int)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()  # a first decode step, not timed
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        if before_each is not None:
+            before_each()
+        start = time.perf_counter()
         engine.step()
-    elapsed = (time.perf_counter() - start) / steps
+        times.append(time.perf_counter() - start)
     while engine.has_unfinished_requests():
         engine.step()
-    return elapsed
+    return times
+
+
+@torch.inference_mode()
+def measure_gemm_time(model, batch: int, repeats: int = 5) -> float:
+    """Seconds the model's own matrix multiplies take for `batch` rows: every Linear of every decoder
+    layer and the LM head, run back to back on random rows (best of `repeats`). What a decode step
+    would cost if everything else were free: the ceiling this machine's GEMM kernels set at that batch."""
+    from torch import nn
+
+    dtype = next(model.parameters()).dtype
+    linears = [m for layer in model.decoder_layers() for m in layer.modules() if isinstance(m, nn.Linear)]
+    inputs = {m.in_features: torch.randn(batch, m.in_features).to(dtype) for m in linears}
+    hidden = torch.randn(batch, model.config.hidden_size).to(dtype)
+    kwargs = {"vocab_major": True} if "vocab_major" in inspect.signature(model.compute_logits).parameters else {}
+
+    def run() -> None:
+        for m in linears:
+            m(inputs[m.in_features])
+        model.compute_logits(hidden, **kwargs)
+
+    return _best_time(run, repeats)
+
+
+class MachineSampler:
+    """Read bandwidth and matmul rate sampled again and again, the best kept. On a shared machine the
+    speed drifts (other tenants take cores and memory bandwidth for seconds at a time); sampling the
+    machine between the very steps being timed, and comparing best with best, keeps the two sides of
+    the ratio under the same conditions."""
+
+    def __init__(self, dtype: torch.dtype, bandwidth_bytes: int, matmul_size: int = 2048) -> None:
+        self.array = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
+        self.a = torch.randn(matmul_size, matmul_size).to(dtype)
+        self.b = torch.randn(matmul_size, matmul_size).to(dtype)
+        self.bandwidth = self.matmul_rate = 0.0
+
+    def sample(self) -> None:
+        read = self.array.numel() * 4 / _best_time(lambda: self.array.sum(), 1)
+        rate = 2 * self.a.shape[0] ** 3 / _best_time(lambda: self.a @ self.b, 2)
+        self.bandwidth, self.matmul_rate = max(self.bandwidth, read), max(self.matmul_rate, rate)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,27 +135,35 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm.engine.arg_utils import parse_size
     from pagedllm.memory.model_size import kv_bytes_per_token, num_params_from_config
 
-    bw = measure_bandwidth(parse_size(args.bandwidth_bytes))
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
               max_model_len=args.prompt_len + args.steps + 16, max_num_seqs=max(args.batch_sizes))
     cfg = llm.llm_engine.config.model
-    rate = measure_matmul(cfg.dtype)
     num_params = num_params_from_config(cfg.hf_config)
     weights = llm.llm_engine.runner.weight_bytes
     kv_tok = kv_bytes_per_token(cfg.hf_config, cfg.dtype)
-    print(f"read bandwidth {bw['read_bytes_per_s'] / 1e9:.1f} GB/s, copy {bw['copy_bytes_per_s'] / 1e9:.1f} GB/s, "
-          f"matmul {rate / 1e9:.0f} GFLOP/s ({str(cfg.dtype).removeprefix('torch.')})")
-    print(f"{'batch':>5} {'floor ms':>9} {'bound':>8} {'pagedllm ms':>12} {'ratio':>6} {'tok/s':>8} {'% matmul rate':>13}")
-    rows = []
+    model = llm.llm_engine.runner.model
+    print("per row: read bandwidth and matmul rate are the best of samples taken before each timed step; "
+          "the step time is the best of --steps (median beside)")
+    print(f"{'batch':>5} {'GB/s':>5} {'GFLOP/s':>7} {'floor ms':>9} {'bound':>8} {'pagedllm ms':>12} {'median':>7} "
+          f"{'ratio':>6} {'tok/s':>7} {'% matmul rate':>13} {'GEMMs alone ms':>15}")
+    rows, bandwidth_bytes = [], parse_size(args.bandwidth_bytes)
     for b in args.batch_sizes:
-        floor = decode_floor(num_params, weights, kv_tok, b, args.prompt_len, bw["read_bytes_per_s"], rate)
-        measured = measure_decode_step(llm, b, args.prompt_len, args.steps, args.seed)
-        achieved = floor["flops"] / measured / rate
-        rows.append({"batch": b, **floor, "measured_s": measured, "ratio": measured / floor["floor_s"],
-                     "tokens_per_s": b / measured, "fraction_of_matmul_rate": achieved})
-        print(f"{b:>5} {floor['floor_s'] * 1000:>9.1f} {floor['bound']:>8} {measured * 1000:>12.1f} "
-              f"{measured / floor['floor_s']:>6.2f} {b / measured:>8.1f} {100 * achieved:>12.0f}%", flush=True)
+        machine = MachineSampler(cfg.dtype, bandwidth_bytes)
+        times = measure_decode_steps(llm, b, args.prompt_len, args.steps, args.seed, before_each=machine.sample)
+        machine.sample()
+        bandwidth, rate = machine.bandwidth, machine.matmul_rate
+        floor = decode_floor(num_params, weights, kv_tok, b, args.prompt_len, bandwidth, rate)
+        best, median = min(times), statistics.median(times)
+        gemm = measure_gemm_time(model, b)
+        achieved = floor["flops"] / best / rate
+        rows.append({"batch": b, **floor, "read_bytes_per_s": bandwidth, "matmul_flops_per_s": rate,
+                     "measured_s": best, "median_s": median, "ratio": best / floor["floor_s"],
+                     "tokens_per_s": b / best, "fraction_of_matmul_rate": achieved, "gemm_only_s": gemm,
+                     "gemm_only_fraction_of_matmul_rate": floor["flops"] / gemm / rate})
+        print(f"{b:>5} {bandwidth / 1e9:>5.1f} {rate / 1e9:>7.0f} {floor['floor_s'] * 1000:>9.1f} {floor['bound']:>8} "
+              f"{best * 1000:>12.1f} {median * 1000:>7.1f} {best / floor['floor_s']:>6.2f} {b / best:>7.1f} "
+              f"{100 * achieved:>12.0f}% {gemm * 1000:>15.1f}", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"settings": vars(args), "bandwidth": bw, "matmul_flops_per_s": rate, "rows": rows}, f, indent=2)
+            json.dump({"settings": vars(args), "rows": rows}, f, indent=2)
     return 0

@@ -27,6 +27,7 @@ class AttentionGroup:
     block_index: torch.Tensor  # (B, blocks) the block table of each request (padding -> block 0)
     mask: torch.Tensor  # (B, 1, max_q, blocks * block_size) True where a query may attend to a key
     is_decode: bool  # every request has exactly one query
+    covers_step: bool  # a decode group of every token in the step, in flat order (no index maps needed)
     # Gather buffers shared by every layer in this step: (kv_heads, B, keys, dim) for K and for V.
     kv_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
@@ -79,6 +80,8 @@ class PagedAttention(nn.Module):
             k_buf, v_buf = self._gather_buffers(g, meta.block_size, q)
             kg = read_kv(self.k_cache, g.block_index, meta.block_size, self.k_scale, q.dtype, k_buf)
             vg = read_kv(self.v_cache, g.block_index, meta.block_size, self.v_scale, q.dtype, v_buf)
+            if g.covers_step:
+                return self._decode_attention(q, kg, vg, g.mask)
             if g.is_decode:
                 out[g.dest_index] = self._decode_attention(q[g.dest_index], kg, vg, g.mask)
                 continue
@@ -181,4 +184,5 @@ def _build_group(members, start, lens, offsets, table, block_size, device) -> At
         block_index=g_table[:, :num_blocks].contiguous().to(device),
         mask=mask.unsqueeze(1).to(device),
         is_decode=max_q == 1,
+        covers_step=max_q == 1 and len(members) == len(lens),
     )

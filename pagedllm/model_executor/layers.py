@@ -21,10 +21,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one kernel (one op instead of five per norm).
+        h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, rope_parameters: dict) -> torch.Tensor:
@@ -78,22 +77,25 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (tokens, heads, head_dim); k: (tokens, kv_heads, head_dim)
-        cos, sin = self._cos_sin(positions, q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin for x: (tokens, heads, head_dim) (queries and keys may come as
+        one tensor). rotate_half(x) * sin = roll(x, half) * [-sin, sin], with the sign in the table:
+        the same products as the reference's, in two fewer ops."""
+        cos, signed_sin = self._cos_sin(positions, x.dtype)
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer shares this module and the step's positions: look them up once per forward."""
         cached = getattr(self, "_step_cache", None)
         if cached is None or cached[0] is not positions or cached[1] != dtype:
             cos = self.cos[positions].to(dtype).unsqueeze(1)
-            sin = self.sin[positions].to(dtype).unsqueeze(1)
-            self._step_cache = cached = (positions, dtype, cos, sin)
+            sin = self.sin[positions].to(dtype)
+            half = sin.shape[-1] // 2
+            signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
+            self._step_cache = cached = (positions, dtype, cos, signed_sin)
         return cached[2], cached[3]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -116,6 +118,12 @@ def _shared_weight_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
     out = torch.mv(self.weight, x[0]).unsqueeze(0) if x.shape[0] == 1 else (self.weight @ x.T).T
     return out if self.bias is None else out + self.bias
+
+
+# The batch size oneDNN picks the packed layout for. Measured on a 2-core AMX Xeon, 24 layers of the
+# Qwen2.5-0.5B Linears: with hint 1, 76 / 122 ms at 64 / 128 rows; with any hint >= 16, 63 / 98 ms;
+# equal (37-40 ms) at 1-16 rows.
+_PACKING_BATCH_HINT = 128
 
 
 def pack_linear_weights(model: nn.Module) -> int:
@@ -143,7 +151,7 @@ def pack_linear_weights(model: nn.Module) -> int:
         if owners[id(w)] > 1:
             module.forward = _shared_weight_forward.__get__(module)
             continue
-        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+        module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACKING_BATCH_HINT)
         packed_bytes += w.numel() * w.element_size()
         module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         module.forward = _packed_linear_forward.__get__(module)

@@ -103,3 +103,30 @@ def test_random_dataset_shared_prefix():
     assert all(len(r.prompt_token_ids) == 24 for r in reqs)
     assert len({tuple(r.prompt_token_ids[:16]) for r in reqs}) == 1
     assert len({tuple(r.prompt_token_ids[16:]) for r in reqs}) == 5
+
+
+def test_roofline_runs_on_a_tiny_model_and_writes_every_field(tmp_path):
+    """End to end on a tiny model: one row per batch size, the best step no slower than the median, the
+    machine rates sampled (positive), and the GEMM-only time a part of the step it bounds."""
+    import json
+
+    from pagedllm.bench.roofline import main as roofline_main
+    from tests.helpers import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", "llama")
+    out = tmp_path / "roofline.json"
+    assert roofline_main(["--model", str(model), "--dtype", "float32", "--batch-sizes", "1", "3", "--steps", "3",
+                          "--prompt-len", "8", "--bandwidth-bytes", "16MiB", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [1, 3]
+    for r in rows:
+        assert 0 < r["measured_s"] <= r["median_s"] and r["read_bytes_per_s"] > 0 and r["matmul_flops_per_s"] > 0
+        assert r["ratio"] == pytest.approx(r["measured_s"] / r["floor_s"])
+        assert 0 < r["gemm_only_s"] and r["flops"] == rows[0]["flops"] * r["batch"]
+
+
+def test_roofline_refuses_bad_arguments():
+    from pagedllm.bench.roofline import main as roofline_main
+
+    with pytest.raises(ValueError, match="must be >= 1"):
+        roofline_main(["--batch-sizes", "0"])

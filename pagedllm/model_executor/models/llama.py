@@ -30,13 +30,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # (tokens, heads, dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # Queries and keys are adjacent columns: rotate them as one (tokens, heads + kv_heads, dim).
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = self.rotary.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(n, self.num_heads, self.head_dim))  # (tokens, heads, dim)
+            k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary(positions, q, k)
         return self.o_proj(self.attn(q, k, v).reshape(n, self.q_size))
 
 
@@ -136,10 +140,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, vocab_major: bool = False) -> torch.Tensor:
         """(rows, vocab) logits. With vocab_major, a plain bf16 LM head on CPU (a tied embedding, see
         pack_linear_weights) computes W @ hidden^T and returns that (vocab, rows) array's transposed
-        view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a caller that reads any layout."""
+        view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a caller that reads any layout. (One row is
+        a GEMV either way, which the head's own forward already runs as one.)"""
         w = self.lm_head.weight
-        if vocab_major and hidden.dim() == 2 and w.dtype == torch.bfloat16 and w.device.type == "cpu" \
-                and w.numel() > 0 and self.lm_head.bias is None:
+        if vocab_major and hidden.dim() == 2 and hidden.shape[0] > 1 and w.dtype == torch.bfloat16 \
+                and w.device.type == "cpu" and w.numel() > 0 and self.lm_head.bias is None:
             return (w @ hidden.T).T
         return self.lm_head(hidden)
 
