@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model_executor.kv_quant import read_kv, write_kv
+from pagedllm.model_executor.kv_quant import block_rows, read_kv, write_kv
 from pagedllm.utils import cdiv
 
 
@@ -28,8 +28,9 @@ class AttentionGroup:
     mask: torch.Tensor  # (B, 1, max_q, blocks * block_size) True where a query may attend to a key
     is_decode: bool  # every request has exactly one query
     covers_step: bool  # a decode group of every token in the step, in flat order (no index maps needed)
-    # Gather buffers shared by every layer in this step: (kv_heads, B, keys, dim) for K and for V.
-    kv_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Shared by every layer in this step: gather buffers (kv_heads, B, keys, dim) for K and V, and the
+    # row ids of the group's blocks in a cache's (kv_heads * blocks, block) view.
+    scratch: dict[tuple, object] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,9 +78,9 @@ class PagedAttention(nn.Module):
         for g in meta.groups:
             # One gather per tensor of the group's whole blocks, already (kv_heads, B, keys, dim):
             # the head-major cache makes each block of one head a contiguous run of positions.
-            k_buf, v_buf = self._gather_buffers(g, meta.block_size, q)
-            kg = read_kv(self.k_cache, g.block_index, meta.block_size, self.k_scale, q.dtype, k_buf)
-            vg = read_kv(self.v_cache, g.block_index, meta.block_size, self.v_scale, q.dtype, v_buf)
+            k_buf, v_buf, rows = self._gather_scratch(g, meta.block_size, q)
+            kg = read_kv(self.k_cache, g.block_index, meta.block_size, self.k_scale, q.dtype, k_buf, rows)
+            vg = read_kv(self.v_cache, g.block_index, meta.block_size, self.v_scale, q.dtype, v_buf, rows)
             if g.covers_step:
                 return self._decode_attention(q, kg, vg, g.mask)
             if g.is_decode:
@@ -94,13 +95,14 @@ class PagedAttention(nn.Module):
             out[g.dest_index] = og[g.src_index]
         return out
 
-    def _gather_buffers(self, g: AttentionGroup, block_size: int, q: torch.Tensor):
+    def _gather_scratch(self, g: AttentionGroup, block_size: int, q: torch.Tensor):
         b, n = g.block_index.shape
         shape = (self.num_kv_heads, b, n * block_size, self.head_dim)
-        key = (q.dtype, shape)
-        if key not in g.kv_buffers:
-            g.kv_buffers[key] = (q.new_empty(shape), q.new_empty(shape))
-        return g.kv_buffers[key]
+        key = (q.dtype, shape, self.k_cache.shape)
+        if key not in g.scratch:
+            rows = block_rows(g.block_index, self.num_kv_heads, self.k_cache.shape[1] // block_size)
+            g.scratch[key] = (q.new_empty(shape), q.new_empty(shape), rows)
+        return g.scratch[key]
 
     def _decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor):
         """One query per request: two small batched matmuls beat SDPA's CPU kernel ~10x here.

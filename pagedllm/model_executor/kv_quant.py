@@ -50,23 +50,34 @@ def write_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, scale: f
     cache.view(torch.uint8).index_copy_(1, slots, quantize(x, scale, cache.dtype).transpose(0, 1).view(torch.uint8))
 
 
-def read_kv(cache: torch.Tensor, block_index: torch.Tensor, block_size: int, scale: float,
-            dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The blocks of B block tables (B, blocks) from a head-major cache (heads, slots, dim), as
-    (heads, B, blocks * block_size, dim) in the compute dtype: one gather of contiguous runs.
+def block_rows(block_index: torch.Tensor, heads: int, num_blocks: int) -> torch.Tensor:
+    """Row ids, head by head, of the blocks of B block tables (B, blocks) in a head-major cache viewed
+    as (heads * num_blocks, one block of one head)."""
+    offsets = torch.arange(heads, device=block_index.device)[:, None] * num_blocks
+    return (offsets + block_index.flatten()[None, :]).flatten()
 
-    `out`, a buffer of that shape reused across layers, takes the gather when the cache is already
-    in the compute dtype (on CPU index_select into an existing buffer runs ~2x faster than into a
-    new one)."""
-    heads, _, dim = cache.shape
+
+def read_kv(cache: torch.Tensor, block_index: torch.Tensor, block_size: int, scale: float,
+            dtype: torch.dtype, out: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The blocks of B block tables (B, blocks) from a head-major cache (heads, slots, dim), as
+    (heads, B, blocks * block_size, dim) in the compute dtype.
+
+    One row gather from the cache viewed as a 2-D table of blocks (`rows` from block_rows, computed
+    here when not given): on CPU that is ~2x faster than index_select along a middle dimension, and
+    ~2x faster again into an existing buffer, which `out` (that shape, reused across layers) is when
+    the cache is already in the compute dtype."""
+    heads, slots, dim = cache.shape
     b, n = block_index.shape
-    blocks = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache  # fp8 gathered as bytes, like the write
-    blocks = blocks.view(heads, -1, block_size, dim)
+    num_blocks = slots // block_size
+    if rows is None:
+        rows = block_rows(block_index, heads, num_blocks)
+    raw = cache.view(torch.uint8) if is_fp8(cache.dtype) else cache  # fp8 gathered as bytes, like the write
+    table = raw.view(heads * num_blocks, block_size * dim)
     shape = (heads, b, n * block_size, dim)
     if out is not None and cache.dtype == dtype:
-        torch.index_select(blocks, 1, block_index.flatten(), out=out.view(heads, b * n, block_size, dim))
+        torch.index_select(table, 0, rows, out=out.view(heads * b * n, block_size * dim))
         return out.view(shape)
-    gathered = blocks.index_select(1, block_index.flatten()).view(shape)
+    gathered = table.index_select(0, rows).view(shape)
     return dequantize(gathered.view(cache.dtype), scale, dtype) if is_fp8(cache.dtype) else gathered.to(dtype)
 
 
