@@ -541,3 +541,19 @@ def test_far_below_max_tokens_keep_a_tiny_mass_and_banned_ones_none():
     sp = SamplingParams(min_tokens=5, temperature=1.0)
     reqs = [Request(f"r{i}", [0], sp, eos_token_ids={0}, max_model_len=100) for i in range(n)]
     assert set(sample(Sampler(CPU, seed=0), logits, reqs)) == {1500}
+
+
+def test_top_k_candidates_per_row_and_bans():
+    """Every row with a top-k samples among torch.topk's candidates: each row stays inside its own
+    top-k (k differs per row), a min_tokens-banned token is never drawn (the top-k is taken among the
+    tokens left, as in vLLM), and every allowed candidate does come up."""
+    torch.manual_seed(0)
+    vocab, n = 3000, 600
+    row = torch.randn(vocab)
+    order = row.argsort(descending=True)
+    best = order[:6].tolist()
+    reqs = [make_req(f"a{i}", temperature=5.0, top_k=2) for i in range(n)]
+    reqs += [make_req(f"b{i}", temperature=5.0, top_k=5, eos={best[0]}, min_tokens=1) for i in range(n)]
+    tokens = sample(Sampler(CPU, seed=0), row.expand(2 * n, -1), reqs)
+    assert set(tokens[:n]) == set(best[:2])
+    assert set(tokens[n:]) == set(best[1:6])  # best[0] is banned first: the top 5 of the rest

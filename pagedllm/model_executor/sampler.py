@@ -146,9 +146,14 @@ class Sampler:
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
+        candidates = None  # (rows, k) token ids, when every row samples among its top-k
+        if all(0 < k <= _CANDIDATE_TOP_K for k in top_k):
+            # torch.topk, then everything on (rows, k): sorting the whole vocabulary instead takes
+            # ~20x longer (64 x 152k: 1.1 s against 58 ms for k = 50 on this CPU).
+            logits, candidates = logits.topk(min(max(top_k), logits.shape[-1]), dim=-1)
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
             logits = _top_k_top_p(logits, top_k, top_p)
-        if any(m > 0.0 for m in min_p):
+        if candidates is not None or any(m > 0.0 for m in min_p):
             probs = torch.softmax(logits, dim=-1)
             threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
@@ -169,7 +174,8 @@ class Sampler:
                 if r.generator is None:
                     r.generator = torch.Generator(device=device).manual_seed(r.sampling_params.seed)
                 uniform[i] = torch.rand(1, dtype=torch.float64, device=device, generator=r.generator)[0]
-        return sample_from_probs(probs, uniform)
+        tokens = sample_from_probs(probs, uniform)
+        return tokens if candidates is None else candidates.gather(1, tokens[:, None]).squeeze(1)
 
     # -- logprobs -----------------------------------------------------------------------------
     @staticmethod
@@ -208,6 +214,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 
 _CHUNK = 1024
+_CANDIDATE_TOP_K = 1024  # a top-k up to this is sampled among torch.topk's candidates
 
 
 def _is_vocab_major(x: torch.Tensor) -> bool:
