@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine.request import Request
+from pagedllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
 
@@ -18,6 +19,10 @@ class SampledRow:
     rank: int | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 class Sampler:
@@ -37,13 +42,13 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         max_logprobs = max((p.logprobs or 0) if p.logprobs is not None else -1 for p in params)
         greedy_rows = [p.greedy for p in params]
-        if all(greedy_rows) and max_logprobs < 0 and not self._processes_logits(requests):
+        bans = self._min_tokens_bans(requests)
+        if all(greedy_rows) and max_logprobs < 0 and not bans and not any(map(_has_penalty, params)):
             # Nothing changes the logits: the first maximum of the model's own, with no float32 copy.
             return [SampledRow(t) for t in argmax_rows(logits).tolist()]
 
         logits = self._float_copy(logits)  # (rows, vocab), ours to change in place
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs >= 0 else None
-        bans = self._min_tokens_bans(requests)
         for i, banned in bans:
             logits[i, banned] = _NEG_INF
         logits = self._apply_penalties(logits, requests)
@@ -69,8 +74,7 @@ class Sampler:
         top-p), softmaxes (min-p, logprobs) and penalties want rows contiguous."""
         for r in requests:
             p = r.sampling_params
-            if p.logprobs is not None or p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 \
-                    or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            if p.logprobs is not None or p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 or _has_penalty(p):
                 return False
         return True
 
@@ -86,17 +90,6 @@ class Sampler:
         if _is_vocab_major(logits):
             return buf[: rows * vocab].view(vocab, rows).copy_(logits.T).T
         return buf[: rows * vocab].view(rows, vocab).copy_(logits)
-
-    @staticmethod
-    def _processes_logits(requests: list[Request]) -> bool:
-        """Whether min_tokens or a penalty changes any row's logits this step."""
-        for r in requests:
-            p = r.sampling_params
-            if r.num_output_tokens < p.min_tokens and (r.eos_token_ids or p.stop_token_ids):
-                return True
-            if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-                return True
-        return False
 
     # -- logits processing -------------------------------------------------------------------
     @staticmethod
@@ -114,8 +107,7 @@ class Sampler:
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]
-        if all(p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-               for p in params):
+        if not any(map(_has_penalty, params)):
             return logits
         rows, vocab = logits.shape
         device = logits.device
