@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm.engine.request import Request
-from pagedllm.model_executor.sampler import Sampler, _top_k_top_p, argmax_rows
+from pagedllm.model_executor.sampler import Sampler, _nucleus_coverage, _top_k_top_p, argmax_rows
 from pagedllm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")
@@ -125,10 +125,11 @@ def test_top_p_never_leaves_nucleus() -> None:
 
 def test_top_p_nucleus_is_smallest_set_reaching_p() -> None:
     """A token is dropped once the better tokens already hold mass >= top_p (exact binary fractions)."""
-    row = torch.tensor([4.0, 2.0, 1.0, 1.0]).log()  # softmax is exactly 0.5, 0.25, 0.125, 0.125
+    row = torch.tensor([16.0, 8.0, 4.0, 2.0, 1.0, 1.0]).log()  # softmax: exactly 1/2, 1/4, ..., 1/32, 1/32
     n = 1000
+    # (Cuts between the two equal last tokens are left out: which of a tie sorts first is unspecified.)
     cases = [(0.5, {0}), (0.5001, {0, 1}), (0.75, {0, 1}), (0.7501, {0, 1, 2}), (0.875, {0, 1, 2}),
-             (0.8751, {0, 1, 2, 3})]
+             (0.8751, {0, 1, 2, 3}), (0.9375, {0, 1, 2, 3}), (0.97, set(range(6)))]
     for top_p, nucleus in cases:
         tokens = sample(Sampler(CPU, seed=0), row.expand(n, -1), make_reqs(n, top_p=top_p))
         assert set(tokens) == nucleus, top_p
@@ -557,3 +558,57 @@ def test_top_k_candidates_per_row_and_bans():
     tokens = sample(Sampler(CPU, seed=0), row.expand(2 * n, -1), reqs)
     assert set(tokens[:n]) == set(best[:2])
     assert set(tokens[n:]) == set(best[1:6])  # best[0] is banned first: the top 5 of the rest
+
+
+def test_top_p_without_top_k_draws_among_candidates_inside_the_nucleus():
+    """A top-p-only row on a large vocabulary samples among its 1024 best tokens when they hold more
+    than top_p of the whole row's mass: the nucleus (measured against the whole vocabulary, not the
+    candidates) is the same as the full sort's, and its tokens come up in their renormalised ratios."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, n = 5000, 4000
+    row = torch.randn(vocab, generator=gen) * 0.5 - 2
+    row[:4] = torch.tensor([9.0, 8.5, 8.0, 7.0])  # 0.454, 0.275, 0.167, 0.061 of the whole row's mass
+    top_p = 0.91
+    best, _ = row[None].topk(1024, dim=-1)
+    scale = _nucleus_coverage(row[None].clone(), best, [0], [top_p])
+    assert scale is not None and top_p < scale.item() < 0.99  # the tail past the candidates holds ~3%
+    reference = torch.isfinite(_top_k_top_p(row[None].clone(), [0], [top_p]))[0]
+    nucleus = set(torch.nonzero(reference).flatten().tolist())
+    # Mass before token 3 is 0.896 of the whole row (< 0.91: kept) but 0.92 of the candidates' mass:
+    # a nucleus measured against the candidates alone would wrongly drop it.
+    assert nucleus == {0, 1, 2, 3}
+    reqs = [make_req(f"p{i}", top_p=top_p) for i in range(n)] + [make_req(f"k{i}", top_k=2) for i in range(n)]
+    tokens = sample(Sampler(CPU, seed=0), row.expand(2 * n, -1), reqs)
+    assert set(tokens[:n]) == nucleus
+    kept = torch.softmax(row[:4].double(), dim=-1)
+    assert chi2_sf(chi2_stat(tokens[:n], kept), 3) > ALPHA
+    assert set(tokens[n:]) == {0, 1}  # the top-k row in the same batch keeps its own cut
+
+
+def test_top_p_nucleus_wider_than_the_candidates_falls_back_to_the_full_sort():
+    gen = torch.Generator().manual_seed(1)
+    vocab, n = 5000, 1000
+    row = torch.randn(vocab, generator=gen) * 0.05  # nearly flat: a 0.9 nucleus holds ~4,500 tokens
+    best, _ = row[None].topk(1024, dim=-1)
+    assert _nucleus_coverage(row[None].clone(), best, [0], [0.9]) is None
+    nucleus = torch.isfinite(_top_k_top_p(row[None].clone(), [0], [0.9]))[0]
+    tokens = sample(Sampler(CPU, seed=0), row.expand(n, -1), make_reqs(n, top_p=0.9))
+    assert all(nucleus[t] for t in tokens)
+    rank = {t: r for r, t in enumerate(row.argsort(descending=True).tolist())}
+    assert sum(rank[t] >= 1024 for t in tokens) > n // 2  # far past the candidates, as the nucleus is
+
+
+@pytest.mark.parametrize("params", [dict(top_p=0.8), dict(top_k=20), dict(top_k=20, top_p=0.7, min_p=0.01)])
+def test_seeded_row_draws_the_same_token_on_the_candidate_and_full_paths(params):
+    """Alone, a top-k / top-p row samples among torch.topk's candidates; beside a row with neither,
+    the batch takes the full-vocabulary path. A seeded row must not notice."""
+    gen = torch.Generator().manual_seed(3)
+    row = torch.randn(3000, generator=gen) * 2
+    differ = 0
+    for seed in range(150):
+        alone = sample(Sampler(CPU, seed=0), row[None], [make_req("s", seed=seed, **params)])
+        batched = sample(Sampler(CPU, seed=0), row.expand(2, -1),
+                         [make_req("s", seed=seed, **params), make_req("plain", temperature=1.0)])
+        assert alone[0] == batched[0], seed
+        differ += alone[0] != sample(Sampler(CPU, seed=0), row[None], [make_req("s", seed=seed + 1, **params)])[0]
+    assert differ > 50  # the seeds really do draw different tokens

@@ -1,7 +1,9 @@
 """Paged attention: K/V are written into a block pool by slot, and read back through block tables.
 
-Backend: PyTorch's scaled_dot_product_attention over K/V gathered from the pool, batched per group
-of requests with the same padded query length (one group for decodes, one for prefill chunks).
+Backend: requests are batched per group with the same padded query length (one group for decodes,
+one for prefill chunks). On CPU a decode group runs the native kernel of cpu_kernels, which reads K/V
+through the block tables in place; otherwise K/V are gathered from the pool and attended to with two
+batched matmuls (decode) or PyTorch's scaled_dot_product_attention (prefill).
 The metadata is built once per step by the model runner and reached through the forward context.
 """
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.model_executor.kv_quant import block_rows, read_kv, write_kv
 from pagedllm.utils import cdiv
 
@@ -25,6 +28,7 @@ class AttentionGroup:
     dest_index: torch.Tensor  # (n_real,) flat token index of each real query
     src_index: torch.Tensor  # (n_real,) its position in the flattened (B * max_q) group output
     block_index: torch.Tensor  # (B, blocks) the block table of each request (padding -> block 0)
+    key_lens: torch.Tensor  # (B,) int64: keys 0 .. key_lens-1 of each request are in the cache after this step
     mask: torch.Tensor  # (B, 1, max_q, blocks * block_size) True where a query may attend to a key
     is_decode: bool  # every request has exactly one query
     covers_step: bool  # a decode group of every token in the step, in flat order (no index maps needed)
@@ -75,7 +79,15 @@ class PagedAttention(nn.Module):
         write_kv(self.k_cache, meta.slot_mapping, k, self.k_scale)
         write_kv(self.v_cache, meta.slot_mapping, v, self.v_scale)
         out = torch.empty_like(q)
+        kernel = self._decode_kernel(q)
         for g in meta.groups:
+            if g.is_decode and kernel is not None:
+                # Straight from the cache through the block tables: no gathered copy of K/V.
+                if g.covers_step:
+                    return kernel(q, self.k_cache, self.v_cache, g.block_index, g.key_lens, self.scale, meta.block_size)
+                out[g.dest_index] = kernel(q[g.dest_index], self.k_cache, self.v_cache, g.block_index, g.key_lens,
+                                           self.scale, meta.block_size)
+                continue
             # One gather per tensor of the group's whole blocks, already (kv_heads, B, keys, dim):
             # the head-major cache makes each block of one head a contiguous run of positions.
             k_buf, v_buf, rows = self._gather_scratch(g, meta.block_size, q)
@@ -94,6 +106,14 @@ class PagedAttention(nn.Module):
             og = og.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # (B * max_q, heads, dim)
             out[g.dest_index] = og[g.src_index]
         return out
+
+    def _decode_kernel(self, q: torch.Tensor):
+        """The native decode-attention kernel where it applies (a CPU cache in the query's dtype, a head
+        size it is built for), else None and the PyTorch path below runs."""
+        if q.device.type != "cpu" or self.k_cache.dtype != q.dtype or self.head_dim not in DECODE_KERNEL_HEAD_DIMS:
+            return None
+        kernels = cpu_kernels()
+        return None if kernels is None else kernels.paged_decode_attention
 
     def _gather_scratch(self, g: AttentionGroup, block_size: int, q: torch.Tensor):
         b, n = g.block_index.shape
@@ -118,6 +138,9 @@ class PagedAttention(nn.Module):
         scores = scores.float().masked_fill_(~mask.view(1, b, 1, -1), float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         return torch.matmul(probs, v).transpose(0, 1).reshape(b, self.num_heads, self.head_dim)
+
+
+DECODE_KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # those cpu_kernels' decode attention is compiled for
 
 
 def kv_cache_shape(num_layers: int, num_kv_heads: int, num_slots: int, head_dim: int) -> tuple[int, ...]:
@@ -184,6 +207,7 @@ def _build_group(members, start, lens, offsets, table, block_size, device) -> At
         dest_index=query_index.flatten()[flat_real].to(device),
         src_index=torch.nonzero(flat_real).flatten().to(device),
         block_index=g_table[:, :num_blocks].contiguous().to(device),
+        key_lens=(g_start + g_len).to(device),
         mask=mask.unsqueeze(1).to(device),
         is_decode=max_q == 1,
         covers_step=max_q == 1 and len(members) == len(lens),

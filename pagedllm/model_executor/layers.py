@@ -8,22 +8,42 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.model_executor.cpu_kernels import cpu_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def fused_kernels(x: torch.Tensor):
+    """cpu_kernels' fused elementwise kernels for x (float32 or bfloat16 on CPU), else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return cpu_kernels()
+
+
 class RMSNorm(nn.Module):
-    """Computed in float32 and cast back before the weight, exactly as the HF reference does."""
+    """Computed in float32 and cast back before the weight, exactly as the HF reference does.
+
+    Given the residual stream too, adds x to it first and returns (normed, new residual): the
+    residual add of a decoder layer fused with the norm after it (one pass on CPU, where the
+    kernel updates the residual tensor in place)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one kernel (one op instead of five per norm).
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        kernels = fused_kernels(x)
+        if kernels is not None and x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype \
+                and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
+            out = kernels.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            x = residual = residual + x
+        # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call (one op instead of five per norm).
         h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
 
 
 def rope_inv_freq(head_dim: int, rope_parameters: dict) -> torch.Tensor:
@@ -81,8 +101,14 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x * cos + rotate_half(x) * sin for x: (tokens, heads, head_dim) (queries and keys may come as
-        one tensor). rotate_half(x) * sin = roll(x, half) * [-sin, sin], with the sign in the table:
-        the same products as the reference's, in two fewer ops."""
+        one tensor). On CPU a fused kernel rotates x in place; otherwise rotate_half(x) * sin =
+        roll(x, half) * [-sin, sin], with the sign in the table: the same products as the reference's,
+        in two fewer ops."""
+        kernels = fused_kernels(x)
+        if kernels is not None and x.stride(-1) == 1 and self.cos.dtype == torch.float32 \
+                and positions.dtype == torch.long and positions.is_contiguous():
+            kernels.rotary_embedding(x, positions, self.cos, self.sin)  # in place, same rounding
+            return x
         cos, signed_sin = self._cos_sin(positions, x.dtype)
         return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
 

@@ -17,6 +17,7 @@ from pagedllm.model_executor.audio_runner import (
     profile_audio_sampling,
     sample_audio,
 )
+from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.model_executor.kv_quant import is_fp8
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.sampler import SampledRow, Sampler
@@ -56,6 +57,8 @@ class ModelRunner:
         self.swap_cache: torch.Tensor | None = None  # host copy of the layout for swapped-out blocks
         if is_fp8(config.kv_cache_dtype):
             self._log_kv_scales()
+        if self.device.type == "cpu":
+            cpu_kernels()  # built (or loaded from disk) now, not in the middle of the first decode step
 
     def _log_kv_scales(self) -> None:
         scales = {(a.k_scale, a.v_scale) for a in self.model.attention_layers()}

@@ -138,17 +138,27 @@ class Sampler:
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
         min_p = [p.min_p for p in params]
-        candidates = None  # (rows, k) token ids, when every row samples among its top-k
-        if all(0 < k <= _CANDIDATE_TOP_K for k in top_k):
-            # torch.topk, then everything on (rows, k): sorting the whole vocabulary instead takes
+        candidates, mass_scale = None, None  # (rows, K) token ids, when every row samples among its top K
+        num_candidates = _candidate_count(top_k, top_p, logits.shape[-1])
+        if num_candidates:
+            # torch.topk, then everything on (rows, K): sorting the whole vocabulary instead takes
             # ~20x longer (64 x 152k: 1.1 s against 58 ms for k = 50 on this CPU).
-            logits, candidates = logits.topk(min(max(top_k), logits.shape[-1]), dim=-1)
+            values, ids = logits.topk(num_candidates, dim=-1)
+            mass_scale = _nucleus_coverage(logits, values, top_k, top_p)
+            if mass_scale is not None:
+                logits, candidates = values, ids
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
+            logits = _top_k_top_p(logits, top_k, top_p, mass_scale if candidates is not None else None)
         if candidates is not None or any(m > 0.0 for m in min_p):
             probs = torch.softmax(logits, dim=-1)
             threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
+            if candidates is not None:
+                # Candidates back in vocabulary order: the inverse CDF then walks the kept tokens in the
+                # same order as over the whole vocabulary, so a seeded row draws the same token whether
+                # its batch took this path or the full one.
+                candidates, order = candidates.sort(dim=-1)
+                probs = probs.gather(1, order)
         else:
             # sample_from_probs needs only relative masses: exp(logit - max) in place, no softmax division.
             # exp is ~10-20x slower on -inf and on inputs whose result is subnormal, so logits more than
@@ -187,8 +197,13 @@ class Sampler:
             row.top_logprobs = top_lp_l[i][:n] if n else []
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask (to -inf) everything outside each row's top-k and top-p nucleus. Keeps at least one."""
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                 mass_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k and top-p nucleus. Keeps at least one.
+
+    mass_scale (rows, 1), for logits that are only a row's best candidates: the share of the row's
+    whole probability mass those candidates hold (1 where top-k already renormalises to them), so
+    a top-p without a top-k measures its nucleus against the whole vocabulary."""
     vocab = logits.shape[-1]
     device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
@@ -198,6 +213,8 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
     p = torch.tensor(top_p, device=device)[:, None]
     probs = torch.softmax(sorted_logits, dim=-1)
+    if mass_scale is not None:
+        probs = probs * mass_scale
     mass_before = torch.cumsum(probs, dim=-1) - probs  # probability of strictly better tokens
     remove = remove | ((mass_before >= p) & (p < 1.0))  # p == 1: float cumsum may hit 1 early
     remove[:, 0] = False
@@ -206,7 +223,42 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 
 _CHUNK = 1024
-_CANDIDATE_TOP_K = 1024  # a top-k up to this is sampled among torch.topk's candidates
+_CANDIDATE_TOP_K = 1024  # a top-k up to this, or a nucleus inside this many tokens, is sampled among torch.topk's candidates
+
+
+def _candidate_count(top_k: list[int], top_p: list[float], vocab: int) -> int:
+    """How many of each row's best tokens to draw from (0: the whole vocabulary is needed). Every row
+    needs a top-k <= _CANDIDATE_TOP_K, or no top-k and a top-p < 1 (a nucleus that, as is usual for
+    a trained model, fits in the _CANDIDATE_TOP_K best tokens: _nucleus_coverage checks)."""
+    if not all(0 < k <= _CANDIDATE_TOP_K or (k <= 0 and p < 1.0) for k, p in zip(top_k, top_p)):
+        return 0
+    if all(k > 0 for k in top_k):
+        return min(max(top_k), vocab)
+    return min(_CANDIDATE_TOP_K, vocab)
+
+
+def _nucleus_coverage(logits: torch.Tensor, best: torch.Tensor, top_k: list[int],
+                      top_p: list[float]) -> torch.Tensor | None:
+    """(rows, 1) share of each row's probability mass held by its candidates `best` (the row's
+    largest logits, sorted), 1 for rows whose top-k renormalises to them; None when some row's top-p
+    nucleus reaches past them (then only the whole sorted vocabulary will do)."""
+    nucleus_rows = [i for i, k in enumerate(top_k) if k <= 0]
+    scale = torch.ones(len(top_k), 1, dtype=logits.dtype, device=logits.device)
+    if not nucleus_rows:
+        return scale
+    if best.shape[-1] == logits.shape[-1]:
+        return scale  # the candidates are the whole vocabulary
+    rows = torch.tensor(nucleus_rows, device=logits.device)
+    row_logits = logits if len(nucleus_rows) == len(top_k) else logits[rows]
+    row_max = best[rows, :1]
+    # exp(l - max) summed, inputs clamped at -80 as in _sample (exp is slow on -inf and subnormals).
+    total = (row_logits - row_max).clamp_(min=-80.0).exp_().sum(dim=-1, keepdim=True)
+    held = (best[rows] - row_max).exp_().sum(dim=-1, keepdim=True) / total
+    p = torch.tensor([top_p[i] for i in nucleus_rows], dtype=held.dtype, device=held.device)[:, None]
+    if not bool((held > p).all()):
+        return None
+    scale[rows] = held
+    return scale
 
 
 def _is_vocab_major(x: torch.Tensor) -> bool:

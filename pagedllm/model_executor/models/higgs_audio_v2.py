@@ -72,7 +72,8 @@ class HiggsAudioV2DecoderLayer(LlamaDecoderLayer):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, routing: TokenRouting) -> torch.Tensor:
         if routing.all_text:
-            return super().forward(positions, h)
+            x, residual = super().forward(positions, h)
+            return residual + x
         h = h + self.self_attn(positions, routing.split(h, self.input_layernorm, self.audio_input_layernorm))
         return h + routing.split(h, self._text_ffn, self._audio_ffn)
 

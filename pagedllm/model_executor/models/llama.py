@@ -4,12 +4,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.attention import PagedAttention
 from pagedllm.model_executor.kv_quant import kv_scale_target, scale_value
-from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, get_activation
+from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, fused_kernels, get_activation
 
 
 class LlamaAttention(nn.Module):
@@ -53,7 +54,11 @@ class LlamaMLP(nn.Module):
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = fused_kernels(gate_up) if self.act is F.silu else None
+        if kernels is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            return self.down_proj(kernels.silu_and_mul(gate_up))  # one pass, the same rounding
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -65,9 +70,18 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """The layer on the residual stream as vLLM runs it: x is the previous layer's output, not yet
+        added to `residual` (None for the first layer, whose x is the stream itself); returns this
+        layer's output and the stream, so each residual add fuses with the norm after it. The stream
+        tensor may be updated in place."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -82,10 +96,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # (tokens, hidden)
+        h, residual = self.embed_tokens(input_ids), None  # (tokens, hidden)
         for layer in self.layers:
-            h = layer(positions, h)
-        return self.norm(h)
+            h, residual = layer(positions, h, residual)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
 
 # Checkpoint tensor name piece -> (our stacked parameter, shard id)

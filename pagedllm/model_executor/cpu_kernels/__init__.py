@@ -1,0 +1,84 @@
+"""Native CPU kernels, compiled from C++ on first use with the machine's compiler (PyTorch's JIT
+extension builder) and cached on disk, so later processes load them in well under a second.
+
+They do what PyTorch's ops can only do in several passes: decode attention read straight from the
+paged KV cache (no gathered copy of K/V, one parallel loop instead of ~10 small kernels per layer),
+and the decoder's elementwise steps fused (residual add + RMSNorm, SiLU * up, rotary embedding).
+Every kernel has a PyTorch twin that is used when the kernels cannot be built (no C++ compiler, a GPU
+device) or are turned off with PAGEDLLM_CPU_KERNELS=0; tests check one against the other.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+_HEADER = "common.h"
+_SOURCES = ("decode_attention.cpp", "elementwise.cpp")
+_FUNCTIONS = ["paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding"]
+# -O3 with the reassociation that lets the compiler vectorise dot products (no -ffast-math: its
+# assumptions about infinities and NaN are not ours to make).
+_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+           "-fno-signed-zeros", "-fopenmp"]
+
+
+def _cpu_signature() -> str:
+    """A short hash of what the compiled code depends on beyond its source: the CPU's instruction set
+    (-march=native) and the machine, so a cache directory shared between hosts never hands one host
+    another's binary."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+
+
+def _ensure_ninja_on_path() -> None:
+    """PyTorch's builder runs `ninja`; the pip package's binary is on PATH only in an activated venv."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_kernels() -> ModuleType | None:
+    """The compiled kernels, or None (with the reason logged once) when they cannot be had."""
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        _ensure_ninja_on_path()
+        here = Path(__file__).parent
+        # One translation unit (PyTorch's headers take ~40 s to compile, once per unit): the shared
+        # header, then every source with its include of it removed.
+        include = f'#include "{_HEADER}"'
+        source = "\n".join([(here / _HEADER).read_text()]
+                           + [(here / name).read_text().replace(include, "") for name in _SOURCES])
+        name = f"pagedllm_cpu_{_cpu_signature()}"
+        start = time.perf_counter()
+        module = load_inline(name, cpp_sources=[source], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
+                             extra_ldflags=["-fopenmp"], verbose=False)
+        logger.info("CPU kernels ready (%s, %.1f s: compiled once, then loaded from PyTorch's extension cache)",
+                    name, time.perf_counter() - start)
+        return module
+    except Exception as exc:  # any build failure: the PyTorch twins run instead
+        logger.warning("native CPU kernels unavailable, using PyTorch ops instead (slower decode attention): %s",
+                       str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return None

@@ -1,0 +1,117 @@
+// Helpers shared by the kernels: 16-float vectors (GCC's vector extensions, so the same source
+// compiles to whatever -march=native offers), loads and stores of float32 / bfloat16 / float16 rows,
+// and rounding to a dtype's precision (so a fused kernel rounds where the PyTorch ops it replaces do).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// 16 floats as one value (one AVX-512 register, two AVX2 ones): GCC's vector extensions, so the same
+// source compiles to whatever -march=native offers.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline f32x16 load16(const c10::BFloat16* p) {
+  // bfloat16 is the top half of a float32: widen and shift.
+  u16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+  f32x16 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline f32x16 load16(const c10::Half* p) {
+  float tmp[16];
+  for (int i = 0; i < 16; ++i) tmp[i] = static_cast<float>(p[i]);
+  return load16(tmp);
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline void store16(c10::BFloat16* p, f32x16 v) {
+  // Round to nearest even, as c10::BFloat16(float) does for finite values.
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  u16x16 h = __builtin_convertvector(bits >> 16, u16x16);
+  std::memcpy(p, &h, sizeof h);
+}
+inline void store16(c10::Half* p, f32x16 v) {
+  for (int i = 0; i < 16; ++i) p[i] = static_cast<c10::Half>(v[i]);
+}
+inline float sum16(f32x16 v) {
+  f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// exp of 16 floats: 2^k * p(r), x = k ln2 + r, |r| <= ln2 / 2, p a degree-6 polynomial (relative error
+// ~2e-7, as libm's expf). Past log(FLT_MAX) the result is +inf; below -87 it stays e^-87 (a normal
+// float: subnormal results are ~10x slower on x86): nothing next to the 1 that softmax adds it to, or
+// the 1 of silu's 1 + e^-x.
+inline f32x16 exp16(f32x16 x) {
+  const f32x16 lo = f32x16{} - 87.f, hi = f32x16{} + 88.f;
+  const auto overflow = x > 88.72283935546875f;  // past log(FLT_MAX): +inf, as expf gives
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const f32x16 k = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + 0.5f - (x < 0.f ? 1.f : 0.f), int32_t __attribute__((vector_size(64)))), f32x16);
+  const f32x16 r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const i32x16 bits = (__builtin_convertvector(k, i32x16) + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const f32x16 inf = f32x16{} + std::numeric_limits<float>::infinity();
+  return overflow ? inf : p * scale;
+}
+
+inline float round_to(float x, float) { return x; }
+inline float round_to(float x, c10::BFloat16) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  bits &= 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &bits, sizeof r);
+  return r;
+}
+inline float round_to(float x, c10::Half) { return static_cast<float>(static_cast<c10::Half>(x)); }
+
+inline f32x16 round_to(f32x16 v, float) { return v; }
+inline f32x16 round_to(f32x16 v, c10::BFloat16) {
+  u32x16 bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  bits &= 0xFFFF0000u;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline f32x16 round_to(f32x16 v, c10::Half) {
+  for (int i = 0; i < 16; ++i) v[i] = round_to(v[i], c10::Half());
+  return v;
+}
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+}  // namespace

@@ -1,0 +1,150 @@
+// Decode attention straight from the paged, head-major KV cache: one query per sequence, its keys
+// read block by block through the block table, no gathered copy of K/V. Parallel over
+// (sequence, KV head); the query heads that share a KV head (GQA) read each key and value row once.
+// Scores, softmax and the weighted sum of values are computed in float32; the output is rounded once.
+#include "common.h"
+
+namespace {
+
+// NC: head_dim / 16, a constant so a key or value row stays in registers.
+template <typename T, int NC>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
+                      int64_t block_size, at::Tensor& out) {
+  constexpr int64_t dim = NC * 16;
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1);
+  const int64_t num_kv_heads = k_cache.size(0);
+  const int64_t group = num_heads / num_kv_heads;
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = k_cache.data_ptr<T>();
+  const T* v_data = v_cache.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  const int64_t q_seq = q.stride(0), q_head = q.stride(1);
+  const int64_t k_head = k_cache.stride(0), k_slot = k_cache.stride(1);
+  const int64_t v_head = v_cache.stride(0), v_slot = v_cache.stride(1);
+  const int64_t o_seq = out.stride(0), o_head = out.stride(1);
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t table_stride = block_table.stride(0);
+  const int64_t* lens = key_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+  const int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctzll(block_size) : -1;
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<f32x16> query(group * NC), acc(group * NC);
+    std::vector<float> scores, inv_total(group), row_max(group);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
+      const int64_t n = lens[seq];
+      const int64_t* blocks = table + seq * table_stride;
+      // Slot of key s: a shift and a mask for a power-of-two block size (a division costs ~40 cycles).
+      auto slot_of = [&](int64_t s) {
+        return shift >= 0 ? (blocks[s >> shift] << shift) | (s & (block_size - 1))
+                          : blocks[s / block_size] * block_size + s % block_size;
+      };
+      const int64_t padded = (n + 15) / 16 * 16;
+      scores.resize(group * padded);
+      for (int64_t g = 0; g < group; ++g) {
+        const T* src = q_data + seq * q_seq + (kv * group + g) * q_head;
+        for (int c = 0; c < NC; ++c) query[g * NC + c] = load16(src + 16 * c) * fscale;
+      }
+      // Scores: each key row is read once, for every query head of the group.
+      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+      const T* k_base = k_data + kv * k_head;
+      for (int64_t s = 0; s < n; ++s) {
+        const T* src = k_base + slot_of(s) * k_slot;
+        f32x16 row[NC];
+        for (int c = 0; c < NC; ++c) row[c] = load16(src + 16 * c);
+        for (int64_t g = 0; g < group; ++g) {
+          const f32x16* qg = query.data() + g * NC;
+          f32x16 dot = qg[0] * row[0];
+          for (int c = 1; c < NC; ++c) dot += qg[c] * row[c];
+          const float score = sum16(dot);
+          scores[g * padded + s] = score;
+          row_max[g] = std::max(row_max[g], score);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * padded;
+        const float mx = row_max[g];
+        f32x16 sum{};
+        for (int64_t s = 0; s < padded; s += 16) {
+          f32x16 e = exp16(load16(sg + s) - mx);
+          if (s + 16 > n) {
+            for (int64_t i = n - s; i < 16; ++i) e[i] = 0.f;  // past the last key
+          }
+          std::memcpy(sg + s, &e, sizeof e);
+          sum += e;
+        }
+        inv_total[g] = 1.f / sum16(sum);
+      }
+      // Weighted sum of values, each value row read once.
+      for (auto& a : acc) a = f32x16{};
+      const T* v_base = v_data + kv * v_head;
+      for (int64_t s = 0; s < n; ++s) {
+        const T* src = v_base + slot_of(s) * v_slot;
+        f32x16 row[NC];
+        for (int c = 0; c < NC; ++c) row[c] = load16(src + 16 * c);
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * padded + s];
+          f32x16* ag = acc.data() + g * NC;
+          for (int c = 0; c < NC; ++c) ag[c] += p * row[c];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* dst = out_data + seq * o_seq + (kv * group + g) * o_head;
+        const f32x16* ag = acc.data() + g * NC;
+        for (int c = 0; c < NC; ++c) store16(dst + 16 * c, ag[c] * inv_total[g]);
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
+                       int64_t block_size, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 32: return decode_attention<T, 2>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+    case 64: return decode_attention<T, 4>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+    case 80: return decode_attention<T, 5>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+    case 96: return decode_attention<T, 6>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+    case 128: return decode_attention<T, 8>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+    case 256: return decode_attention<T, 16>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+    default: TORCH_CHECK(false, "head_dim ", q.size(2), " is not one of 32, 64, 80, 96, 128, 256");
+  }
+}
+
+}  // namespace
+
+// q: (seqs, heads, dim); k_cache, v_cache: (kv_heads, slots, dim), rows contiguous; block_table:
+// (seqs, blocks) int64; key_lens: (seqs,) int64, keys 0 .. len-1 of each sequence are attended to.
+// Returns (seqs, heads, dim) in q's dtype.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
+                                  int64_t block_size) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "the KV cache must be in the query's dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "rows must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && key_lens.scalar_type() == at::kLong,
+              "block_table and key_lens must be int64");
+  TORCH_CHECK(block_table.stride(1) == 1 && key_lens.is_contiguous(), "index tensors must be contiguous");
+  TORCH_CHECK(key_lens.size(0) == q.size(0) && block_table.size(0) == q.size(0), "one row per sequence");
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      dispatch_head_dim<float>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+      break;
+    case at::kBFloat16:
+      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+      break;
+    case at::kHalf:
+      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}

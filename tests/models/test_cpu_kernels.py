@@ -1,0 +1,198 @@
+"""The native CPU decode-attention kernel against its PyTorch twin (gathered K/V, batched matmuls),
+on paged caches with scattered blocks, GQA, ragged lengths and block sizes with and without a
+power of two; and the fallbacks when the kernel cannot be had."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedllm.model_executor import attention as attention_module
+from pagedllm.model_executor import cpu_kernels as cpu_kernels_module
+from pagedllm.model_executor.attention import (
+    PagedAttention,
+    build_attention_metadata,
+    forward_context,
+)
+from pagedllm.model_executor.cpu_kernels import cpu_kernels
+from pagedllm.utils import cdiv
+
+CPU = torch.device("cpu")
+
+
+def _attention(heads, kv_heads, head_dim, dtype, num_blocks, block_size, gen):
+    attn = PagedAttention(heads, kv_heads, head_dim, head_dim ** -0.5)
+    cache = torch.randn(2, kv_heads, num_blocks * block_size, head_dim, generator=gen).to(dtype)
+    attn.k_cache, attn.v_cache = cache[0], cache[1]
+    return attn
+
+
+def _step(starts, lengths, block_size, num_blocks, gen):
+    """Metadata of one step with each request's blocks scattered over the pool."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for s, n in zip(starts, lengths):
+        count = cdiv(s + n, block_size)
+        tables.append(perm[used:used + count])
+        used += count
+    return build_attention_metadata(starts, lengths, tables, block_size, CPU)
+
+
+def _run(attn, meta, q, k, v, use_kernel: bool, monkeypatch):
+    with monkeypatch.context() as m:
+        if not use_kernel:
+            m.setattr(PagedAttention, "_decode_kernel", lambda self, q: None)
+        cache = attn.k_cache.clone(), attn.v_cache.clone()  # each run writes this step's K/V afresh
+        attn.k_cache, attn.v_cache = cache
+        with forward_context(meta):
+            return attn(q, k, v)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (8, 8, 128), (6, 2, 32)])
+@pytest.mark.parametrize("block_size", [16, 12])
+def test_decode_kernel_matches_the_pytorch_path(dtype, tol, heads, kv_heads, head_dim, block_size, monkeypatch):
+    assert cpu_kernels() is not None, "the C++ kernels must build on this machine (gcc and Python headers)"
+    gen = torch.Generator().manual_seed(0)
+    num_blocks = 200
+    attn = _attention(heads, kv_heads, head_dim, dtype, num_blocks, block_size, gen)
+    # Keys seen per request: 1 (a first token), a partial block, exactly one block, many blocks.
+    starts = [0, 5, block_size - 1, 3 * block_size - 1, 150, 97]
+    meta = _step(starts, [1] * len(starts), block_size, num_blocks, gen)
+    assert meta.groups[0].covers_step
+    n = len(starts)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    ours = _run(attn, meta, q, k, v, True, monkeypatch)
+    twin = _run(attn, meta, q, k, v, False, monkeypatch)
+    assert ours.dtype == dtype and ours.shape == (n, heads, head_dim)
+    torch.testing.assert_close(ours.float(), twin.float(), rtol=tol, atol=tol)
+
+
+def test_decode_kernel_in_a_step_with_prefill_chunks(monkeypatch):
+    """Decodes beside prefill chunks: the kernel's rows land at their tokens, the chunks are untouched."""
+    gen = torch.Generator().manual_seed(1)
+    attn = _attention(8, 2, 64, torch.float32, 64, 16, gen)
+    starts, lengths = [40, 0, 17, 3], [1, 9, 1, 5]
+    meta = _step(starts, lengths, 16, 64, gen)
+    assert [g.is_decode for g in meta.groups] == [True, False] and not meta.groups[0].covers_step
+    tokens = sum(lengths)
+    q, k, v = (torch.randn(tokens, h, 64, generator=gen) for h in (8, 2, 2))
+    ours = _run(attn, meta, q, k, v, True, monkeypatch)
+    twin = _run(attn, meta, q, k, v, False, monkeypatch)
+    torch.testing.assert_close(ours, twin, rtol=2e-6, atol=2e-6)
+
+
+def test_decode_kernel_is_used_only_where_it_applies():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 64)
+    attn = _attention(4, 2, 64, torch.float32, 4, 16, gen)
+    assert attn._decode_kernel(q) is not None
+    attn.k_cache = attn.k_cache.to(torch.bfloat16)  # a cache in another dtype than the queries
+    assert attn._decode_kernel(q) is None
+    odd = _attention(4, 2, 48, torch.float32, 4, 16, gen)  # a head size it is not built for
+    assert odd._decode_kernel(torch.randn(2, 4, 48)) is None
+
+
+def test_kernels_off_by_environment(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+    cpu_kernels.cache_clear()
+    try:
+        assert cpu_kernels() is None
+        assert _attention(4, 2, 64, torch.float32, 4, 16, torch.Generator())._decode_kernel(torch.randn(1, 4, 64)) is None
+    finally:
+        cpu_kernels.cache_clear()
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension 'pagedllm_cpu': g++: command not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
+    cpu_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels_module.__name__):
+            assert cpu_kernels() is None
+        assert "g++: command not found" in caplog.text and "PyTorch ops instead" in caplog.text
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.cache_clear()
+    assert cpu_kernels() is not None  # built again from the disk cache once the builder works
+    assert attention_module.cpu_kernels is cpu_kernels
+
+
+# --------------------------------------------------------------------------------------------
+# Fused elementwise kernels: bit-identical to the PyTorch ops they replace in bfloat16 (the
+# reference's rounding points are kept), within float32 rounding in float32.
+# --------------------------------------------------------------------------------------------
+def _same(ours: torch.Tensor, twin: torch.Tensor) -> None:
+    if ours.dtype == torch.bfloat16:
+        assert torch.equal(ours, twin), (ours.float() - twin.float()).abs().max().item()
+    else:
+        torch.testing.assert_close(ours, twin, rtol=2e-6, atol=2e-6)
+
+
+def _without_kernels(monkeypatch):
+    from pagedllm.model_executor import layers
+    from pagedllm.model_executor.models import llama
+
+    monkeypatch.setattr(layers, "fused_kernels", lambda x: None)
+    monkeypatch.setattr(llama, "fused_kernels", lambda x: None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_and_without_the_residual_add(dtype, monkeypatch):
+    from pagedllm.model_executor.layers import RMSNorm
+
+    gen = torch.Generator().manual_seed(3)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data.copy_(torch.rand(96, generator=gen) + 0.5)
+    x, residual = (torch.randn(37, 96, generator=gen).mul(4).to(dtype) for _ in range(2))
+    with torch.inference_mode():
+        ours = norm(x)
+        stream = residual.clone()
+        ours_fused, ours_stream = norm(x, stream)
+        with monkeypatch.context() as m:
+            _without_kernels(m)
+            twin = norm(x)
+            twin_fused, twin_stream = norm(x, residual.clone())
+    reference = norm.weight * torch.nn.functional.rms_norm(x.float(), (96,), eps=1e-5).to(dtype)
+    _same(ours, twin)
+    _same(ours, reference)
+    assert torch.equal(ours_stream, twin_stream) and torch.equal(twin_stream, residual + x)
+    assert ours_stream is stream  # the kernel updated the stream in place
+    _same(ours_fused, twin_fused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [4864, 100])  # a multiple of 16 and one with a tail
+def test_silu_and_mul_is_silu_gate_times_up(dtype, width):
+    gen = torch.Generator().manual_seed(4)
+    gate_up = torch.randn(9, 2 * width, generator=gen).mul(6).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # far tails of the sigmoid
+    gate, up = gate_up.chunk(2, dim=-1)
+    _same(cpu_kernels().silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_a_strided_view_of_qkv(dtype, monkeypatch):
+    from pagedllm.model_executor.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(5)
+    rotary = RotaryEmbedding(64, 300, {"rope_theta": 10000.0})
+    tokens, heads, kv_heads = 11, 6, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 64, generator=gen).to(dtype)
+    positions = torch.randint(0, 300, (tokens,), generator=gen)
+    with monkeypatch.context() as m:
+        _without_kernels(m)
+        twin = rotary.rotate(positions, qkv[:, :(heads + kv_heads) * 64].view(tokens, heads + kv_heads, 64).clone())
+    before_v = qkv[:, (heads + kv_heads) * 64:].clone()
+    view = qkv[:, :(heads + kv_heads) * 64].view(tokens, heads + kv_heads, 64)
+    ours = rotary.rotate(positions, view)
+    assert ours.data_ptr() == view.data_ptr()  # rotated in place, inside the qkv buffer
+    _same(ours, twin)
+    assert torch.equal(qkv[:, (heads + kv_heads) * 64:], before_v)  # values untouched
