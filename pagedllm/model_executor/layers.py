@@ -137,12 +137,21 @@ def _packed_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
+# Up to this many rows, a plain bf16 weight is multiplied by cpu_kernels' GEMV: it streams the weight
+# once for all rows (a 151,936 x 896 LM head at one row: 26 ms against torch.mv's 34 ms here).
+GEMV_MAX_ROWS = 4
+
+
 def _shared_weight_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """For a bf16 weight that must keep its plain layout (a tied LM head): with few rows,
     W @ x^T (a GEMV over W's contiguous rows) runs ~1.5x faster on CPU than x @ W^T."""
     if x.dim() != 2 or x.shape[0] > 32:
         return F.linear(x, self.weight, self.bias)
-    out = torch.mv(self.weight, x[0]).unsqueeze(0) if x.shape[0] == 1 else (self.weight @ x.T).T
+    kernels = cpu_kernels() if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 else None
+    if kernels is not None:
+        out = kernels.gemv_bf16(x, self.weight)
+    else:
+        out = torch.mv(self.weight, x[0]).unsqueeze(0) if x.shape[0] == 1 else (self.weight @ x.T).T
     return out if self.bias is None else out + self.bias
 
 

@@ -196,3 +196,17 @@ def test_rotary_in_place_on_a_strided_view_of_qkv(dtype, monkeypatch):
     assert ours.data_ptr() == view.data_ptr()  # rotated in place, inside the qkv buffer
     _same(ours, twin)
     assert torch.equal(qkv[:, (heads + kv_heads) * 64:], before_v)  # values untouched
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k", [(1001, 896), (7, 100)])  # rows not a multiple of 4, K with a tail
+def test_gemv_is_the_linear_product(rows, n, k):
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    ours = cpu_kernels().gemv_bf16(x, w)
+    assert ours.shape == (rows, n) and ours.dtype == torch.bfloat16
+    exact = x.double() @ w.double().T
+    # One rounding of a float32 sum, as the reference's bf16 matmul: within a bf16 ulp or two.
+    torch.testing.assert_close(ours.double(), exact, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ours.float(), torch.nn.functional.linear(x, w).float(), rtol=1.6e-2, atol=1e-2)

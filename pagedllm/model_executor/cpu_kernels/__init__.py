@@ -3,7 +3,8 @@ extension builder) and cached on disk, so later processes load them in well unde
 
 They do what PyTorch's ops can only do in several passes: decode attention read straight from the
 paged KV cache (no gathered copy of K/V, one parallel loop instead of ~10 small kernels per layer),
-and the decoder's elementwise steps fused (residual add + RMSNorm, SiLU * up, rotary embedding).
+the decoder's elementwise steps fused (residual add + RMSNorm, SiLU * up, rotary embedding), and a
+GEMV that streams a plain bf16 weight (a tied LM head) at a few rows.
 Every kernel has a PyTorch twin that is used when the kernels cannot be built (no C++ compiler, a GPU
 device) or are turned off with PAGEDLLM_CPU_KERNELS=0; tests check one against the other.
 """
@@ -22,8 +23,8 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _HEADER = "common.h"
-_SOURCES = ("decode_attention.cpp", "elementwise.cpp")
-_FUNCTIONS = ["paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding"]
+_SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp")
+_FUNCTIONS = ["paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "gemv_bf16"]
 # -O3 with the reassociation that lets the compiler vectorise dot products (no -ffast-math: its
 # assumptions about infinities and NaN are not ours to make).
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",

@@ -10,7 +10,7 @@ from torch import nn
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.attention import PagedAttention
 from pagedllm.model_executor.kv_quant import kv_scale_target, scale_value
-from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, fused_kernels, get_activation
+from pagedllm.model_executor.layers import GEMV_MAX_ROWS, RMSNorm, RotaryEmbedding, fused_kernels, get_activation
 
 
 class LlamaAttention(nn.Module):
@@ -154,10 +154,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, vocab_major: bool = False) -> torch.Tensor:
         """(rows, vocab) logits. With vocab_major, a plain bf16 LM head on CPU (a tied embedding, see
         pack_linear_weights) computes W @ hidden^T and returns that (vocab, rows) array's transposed
-        view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a caller that reads any layout. (One row is
-        a GEMV either way, which the head's own forward already runs as one.)"""
+        view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a caller that reads any layout. (Up to
+        GEMV_MAX_ROWS rows the head's own forward runs a GEMV, faster still.)"""
         w = self.lm_head.weight
-        if vocab_major and hidden.dim() == 2 and hidden.shape[0] > 1 and w.dtype == torch.bfloat16 \
+        if vocab_major and hidden.dim() == 2 and hidden.shape[0] > GEMV_MAX_ROWS and w.dtype == torch.bfloat16 \
                 and w.device.type == "cpu" and w.numel() > 0 and self.lm_head.bias is None:
             return (w @ hidden.T).T
         return self.lm_head(hidden)
