@@ -28,9 +28,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const int64_t* lens = key_lens.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
   const int shift = (block_size & (block_size - 1)) == 0 ? __builtin_ctzll(block_size) : -1;
+  auto prefetch_row = [](const T* row) {
+    const char* bytes = reinterpret_cast<const char*>(row);
+    for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(bytes + off, 0, 3);
+  };
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<f32x16> query(group * NC), acc(group * NC);
+    std::vector<f32x16> query(group * NC), acc(group * NC), tile(16 * NC);
     std::vector<float> scores, inv_total(group), row_max(group);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
@@ -47,20 +51,38 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const T* src = q_data + seq * q_seq + (kv * group + g) * q_head;
         for (int c = 0; c < NC; ++c) query[g * NC + c] = load16(src + 16 * c) * fscale;
       }
-      // Scores: each key row is read once, for every query head of the group.
+      // Scores, 16 keys at a time: their rows are converted once into a float tile (L1-resident), then
+      // each query head of the group takes 16 dot products, reduced together by sum16x16.
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
       const T* k_base = k_data + kv * k_head;
-      for (int64_t s = 0; s < n; ++s) {
-        const T* src = k_base + slot_of(s) * k_slot;
-        f32x16 row[NC];
-        for (int c = 0; c < NC; ++c) row[c] = load16(src + 16 * c);
+      for (int64_t s0 = 0; s0 < n; s0 += 16) {
+        const int keys = static_cast<int>(std::min<int64_t>(16, n - s0));
+        // Rows two tiles ahead sit in other blocks, anywhere in the pool: start loading them now (the
+        // hardware prefetcher only follows the block it is in). 64 x 2048 keys: 13.4 -> 8.5 ms.
+        for (int64_t s = s0 == 0 ? 16 : s0 + 32; s < std::min<int64_t>(s0 + 48, n); ++s) {
+          prefetch_row(k_base + slot_of(s) * k_slot);
+        }
+        for (int j = 0; j < keys; ++j) {
+          const T* src = k_base + slot_of(s0 + j) * k_slot;
+          for (int c = 0; c < NC; ++c) tile[j * NC + c] = load16(src + 16 * c);
+        }
+        for (int j = keys; j < 16; ++j) {
+          for (int c = 0; c < NC; ++c) tile[j * NC + c] = f32x16{};
+        }
         for (int64_t g = 0; g < group; ++g) {
           const f32x16* qg = query.data() + g * NC;
-          f32x16 dot = qg[0] * row[0];
-          for (int c = 1; c < NC; ++c) dot += qg[c] * row[c];
-          const float score = sum16(dot);
-          scores[g * padded + s] = score;
-          row_max[g] = std::max(row_max[g], score);
+          f32x16 dots[16];
+          for (int j = 0; j < 16; ++j) {
+            f32x16 dot = qg[0] * tile[j * NC];
+            for (int c = 1; c < NC; ++c) dot += qg[c] * tile[j * NC + c];
+            dots[j] = dot;
+          }
+          f32x16 block = sum16x16(dots);
+          for (int j = keys; j < 16; ++j) block[j] = -std::numeric_limits<float>::infinity();  // past the last key
+          std::memcpy(scores.data() + g * padded + s0, &block, sizeof block);
+          float mx = row_max[g];
+          for (int j = 0; j < keys; ++j) mx = std::max(mx, block[j]);
+          row_max[g] = mx;
         }
       }
       for (int64_t g = 0; g < group; ++g) {
@@ -80,7 +102,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       // Weighted sum of values, each value row read once.
       for (auto& a : acc) a = f32x16{};
       const T* v_base = v_data + kv * v_head;
+      for (int64_t s = 0; s < std::min<int64_t>(32, n); ++s) prefetch_row(v_base + slot_of(s) * v_slot);
       for (int64_t s = 0; s < n; ++s) {
+        if (s + 32 < n) prefetch_row(v_base + slot_of(s + 32) * v_slot);
         const T* src = v_base + slot_of(s) * v_slot;
         f32x16 row[NC];
         for (int c = 0; c < NC; ++c) row[c] = load16(src + 16 * c);
