@@ -74,6 +74,7 @@ def cpu_kernels() -> ModuleType | None:
                            + [(here / name).read_text().replace(include, "") for name in _SOURCES])
         name = f"pagedllm_cpu_{_cpu_signature()}"
         start = time.perf_counter()
+        logger.info("loading native CPU kernels %s (the first start on a machine or venv compiles them: ~1 min)", name)
         module = load_inline(name, cpp_sources=[source], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
                              extra_ldflags=["-fopenmp"], verbose=False)
         logger.info("CPU kernels ready (%s, %.1f s: compiled once, then loaded from PyTorch's extension cache)",
