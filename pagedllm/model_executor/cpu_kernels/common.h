@@ -106,15 +106,7 @@ inline f32x16 exp16(f32x16 x) {
 }
 
 inline float round_to(float x, float) { return x; }
-inline float round_to(float x, c10::BFloat16) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  bits &= 0xFFFF0000u;
-  float r;
-  std::memcpy(&r, &bits, sizeof r);
-  return r;
-}
+inline float round_to(float x, c10::BFloat16) { return static_cast<float>(static_cast<c10::BFloat16>(x)); }
 inline float round_to(float x, c10::Half) { return static_cast<float>(static_cast<c10::Half>(x)); }
 
 inline f32x16 round_to(f32x16 v, float) { return v; }
