@@ -14,7 +14,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def fused_kernels(x: torch.Tensor):
-    """cpu_kernels' fused elementwise kernels for x (float32 or bfloat16 on CPU), else None."""
+    """cpu_kernels for x when it is float32 or bfloat16 on CPU (what the elementwise kernels and the
+    GEMV take), else None."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     return cpu_kernels()
@@ -147,7 +148,7 @@ def _shared_weight_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     W @ x^T (a GEMV over W's contiguous rows) runs ~1.5x faster on CPU than x @ W^T."""
     if x.dim() != 2 or x.shape[0] > 32:
         return F.linear(x, self.weight, self.bias)
-    kernels = cpu_kernels() if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 else None
+    kernels = fused_kernels(x) if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 else None
     if kernels is not None:
         out = kernels.gemv_bf16(x, self.weight)
     else:

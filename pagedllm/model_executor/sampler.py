@@ -148,7 +148,7 @@ class Sampler:
             if mass_scale is not None:
                 logits, candidates = values, ids
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p, mass_scale if candidates is not None else None)
+            logits = _top_k_top_p(logits, top_k, top_p, mass_scale)
         if candidates is not None or any(m > 0.0 for m in min_p):
             probs = torch.softmax(logits, dim=-1)
             threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values

@@ -101,12 +101,12 @@ at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residu
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be (rows, hidden) with contiguous rows");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1),
               "weight must be (hidden,) in x's dtype");
-  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   if (residual.has_value()) {
     const at::Tensor& r = residual.value();
     TORCH_CHECK(r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type() && r.stride(1) == 1,
                 "residual must match x");
   }
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
   auto run = [&](auto tag) {
     using T = decltype(tag);
     T* r = residual.has_value() ? residual.value().data_ptr<T>() : nullptr;
