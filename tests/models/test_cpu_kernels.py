@@ -210,3 +210,19 @@ def test_gemv_is_the_linear_product(rows, n, k):
     # One rounding of a float32 sum, as the reference's bf16 matmul: within a bf16 ulp or two.
     torch.testing.assert_close(ours.double(), exact, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(ours.float(), torch.nn.functional.linear(x, w).float(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_kernels_refuse_indices_outside_their_tables():
+    """Every read of the attention and rotary kernels goes through block ids, key counts and positions:
+    out-of-range ones raise a clear error instead of reading past the cache or the table."""
+    kernels = cpu_kernels()
+    cache = torch.zeros(2, 4 * 16, 64)
+    q = torch.zeros(1, 4, 64)
+    ok = kernels.paged_decode_attention(q, cache, cache, torch.tensor([[3]]), torch.tensor([16]), 0.125, 16)
+    assert ok.shape == (1, 4, 64)
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[4]]), torch.tensor([5]), 0.125, 16)
+    with pytest.raises(RuntimeError, match="keys; its block table holds"):
+        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125, 16)
+    with pytest.raises(RuntimeError, match="outside the rotary table"):
+        kernels.rotary_embedding(torch.zeros(2, 1, 8), torch.tensor([0, 10]), torch.zeros(10, 8), torch.zeros(10, 8))

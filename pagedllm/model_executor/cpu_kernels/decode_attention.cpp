@@ -156,6 +156,20 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "block_table and key_lens must be int64");
   TORCH_CHECK(block_table.stride(1) == 1 && key_lens.is_contiguous(), "index tensors must be contiguous");
   TORCH_CHECK(key_lens.size(0) == q.size(0) && block_table.size(0) == q.size(0), "one row per sequence");
+  TORCH_CHECK(block_size >= 1 && v_cache.sizes() == k_cache.sizes(), "block_size >= 1, K and V caches alike");
+  // Every read goes through these: keep them inside the cache (a few hundred integers to look at).
+  const int64_t num_blocks = k_cache.size(1) / block_size, width = block_table.size(1);
+  const int64_t* lens = key_lens.data_ptr<int64_t>();
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < q.size(0); ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "sequence ", b, " has ", lens[b],
+                " keys; its block table holds 1 .. ", width * block_size);
+    for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j) {
+      const int64_t block = table[b * block_table.stride(0) + j];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is outside the KV cache (", num_blocks,
+                  " blocks)");
+    }
+  }
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   switch (q.scalar_type()) {
     case at::kFloat:

@@ -141,6 +141,11 @@ void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tens
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous() && cos.size(1) == x.size(2) && sin.sizes() == cos.sizes(),
               "cos and sin must be (positions, dim) float32");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " is outside the rotary table (0 .. ",
+                cos.size(0) - 1, ")");
+  }
   auto run = [&](auto tag) {
     using T = decltype(tag);
     rotary_rows<T>(x.data_ptr<T>(), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
