@@ -226,3 +226,63 @@ def test_kernels_refuse_indices_outside_their_tables():
         kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125, 16)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         kernels.rotary_embedding(torch.zeros(2, 1, 8), torch.tensor([0, 10]), torch.zeros(10, 8), torch.zeros(10, 8))
+
+
+needs_amx = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().packed_linear_supported(),
+                               reason="no AMX / AVX512-BF16 here: pack_linear_weights uses oneDNN (tested in test_layers)")
+
+
+# Rows: the dot-product path (1-4), one to four AMX row tiles with a padded last one (5, 16, 17, 33, 64),
+# and row bands of 32 x 32 blocks with ragged ends (65, 100, 300).
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 33, 64, 65, 100, 300])
+@pytest.mark.parametrize("n,k", [(1152, 896), (48, 64), (16, 4864)])  # odd column-block counts at 48 and 16
+def test_packed_linear_is_the_linear_product(rows, n, k):
+    gen = torch.Generator().manual_seed(rows)
+    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    kernels = cpu_kernels()
+    packed = kernels.pack_linear_weight(w)
+    assert packed.shape == (n // 16, k // 2, 16, 2) and packed.numel() == w.numel()
+    for b in (None, bias):
+        ours = kernels.packed_linear(x, packed, None if b is None else b.float())
+        assert ours.shape == (rows, n) and ours.dtype == torch.bfloat16
+        exact = x.double() @ w.double().T + (0 if b is None else b.double())
+        # float32 sums of exact products, rounded once to bf16: within a bf16 ulp of the exact value.
+        torch.testing.assert_close(ours.double(), exact, rtol=8e-3, atol=1e-3 * k ** 0.5)
+    # Leading dimensions pass through, as with F.linear.
+    assert kernels.packed_linear(x.view(1, rows, k), packed, None).shape == (1, rows, n)
+
+
+@needs_amx
+def test_packed_embedding_reads_the_rows_back():
+    gen = torch.Generator().manual_seed(1)
+    table = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    kernels = cpu_kernels()
+    packed = kernels.pack_linear_weight(table)
+    ids = torch.tensor([[0, 95, 17], [16, 15, 17]])
+    assert torch.equal(kernels.packed_embedding(ids, packed), table[ids])  # bit for bit, any id shape
+    with pytest.raises(RuntimeError, match="token id 96 is out of range for an embedding of 96 rows"):
+        kernels.packed_embedding(torch.tensor([3, 96]), packed)
+    with pytest.raises(RuntimeError, match="token id -1 is out of range"):
+        kernels.packed_embedding(torch.tensor([-1]), packed)
+
+
+@needs_amx
+def test_packed_linear_refuses_what_it_cannot_multiply():
+    kernels = cpu_kernels()
+    with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):
+        kernels.pack_linear_weight(torch.zeros(40, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):
+        kernels.pack_linear_weight(torch.zeros(32, 64))  # float32
+    packed = kernels.pack_linear_weight(torch.zeros(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"x must be bfloat16 \(\.\.\., 64\)"):
+        kernels.packed_linear(torch.zeros(2, 96, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match=r"x must be bfloat16"):
+        kernels.packed_linear(torch.zeros(2, 64), packed, None)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous float32 \(32,\) vector"):
+        kernels.packed_linear(torch.zeros(2, 64, dtype=torch.bfloat16), packed, torch.zeros(32, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="packed must be a weight from pack_linear_weight"):
+        kernels.packed_linear(torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16), None)
+    assert kernels.packed_linear(torch.zeros(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 32)

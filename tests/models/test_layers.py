@@ -6,30 +6,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor import layers
+from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.model_executor.layers import pack_linear_weights
 
 needs_bf16_mkldnn = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
     reason="this CPU has no oneDNN bf16 support; pack_linear_weights is then a no-op (tested below)")
+needs_amx = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().packed_linear_supported(),
+                               reason="no AMX / AVX512-BF16 here: only the oneDNN packing applies")
 
 
 class _TiedModel(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = 300) -> None:
         super().__init__()
-        self.embed = nn.Embedding(300, 64)
+        self.embed = nn.Embedding(vocab, 64)
         self.proj = nn.Linear(64, 96, bias=True)
-        self.head = nn.Linear(64, 300, bias=False)
+        self.head = nn.Linear(64, vocab, bias=False)
         self.head.weight = self.embed.weight
 
 
-def _model() -> _TiedModel:
+def _model(vocab: int = 300) -> _TiedModel:
     torch.manual_seed(0)
-    return _TiedModel().to(torch.bfloat16).eval()
+    return _TiedModel(vocab).to(torch.bfloat16).eval()
 
 
 @needs_bf16_mkldnn
 @pytest.mark.parametrize("rows", [1, 3, 32, 40])
-def test_packed_and_tied_linears_match_plain_linear(rows):
+@pytest.mark.parametrize("packing", ["cpu_kernels", "onednn"])
+def test_packed_and_tied_linears_match_plain_linear(rows, packing, monkeypatch):
+    """A 300-row tied head is not whole 16-column blocks: it keeps its plain weight either way."""
+    if packing == "onednn":  # as on a machine where the kernels cannot be built
+        monkeypatch.setattr(layers, "cpu_kernels", lambda: None)
     model = _model()
     plain_proj_w, plain_proj_b = model.proj.weight.detach().clone(), model.proj.bias.detach().clone()
     packed = pack_linear_weights(model)
@@ -39,6 +47,23 @@ def test_packed_and_tied_linears_match_plain_linear(rows):
     with torch.inference_mode():
         torch.testing.assert_close(model.proj(x), F.linear(x, plain_proj_w, plain_proj_b), rtol=1.6e-2, atol=1e-2)
         torch.testing.assert_close(model.head(x), F.linear(x, model.embed.weight), rtol=1.6e-2, atol=1e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_a_tied_head_is_packed_once_for_head_and_embedding(rows):
+    model = _model(vocab=320)
+    table = model.embed.weight.detach().clone()
+    plain_proj_w, plain_proj_b = model.proj.weight.detach().clone(), model.proj.bias.detach().clone()
+    assert pack_linear_weights(model) == (96 + 320) * 64 * 2  # the shared table counted once
+    assert model.embed.packed_weight is model.head.packed_weight
+    assert model.head.weight.numel() == 0 and model.embed.weight is model.head.weight
+    ids = torch.tensor([0, 319, 17, 17])
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(model.embed(ids), table[ids])
+        torch.testing.assert_close(model.head(x), F.linear(x, table), rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(model.proj(x), F.linear(x, plain_proj_w, plain_proj_b), rtol=1.6e-2, atol=1e-2)
 
 
 def test_float32_weights_are_left_alone():
@@ -62,7 +87,7 @@ def test_vocab_major_logits_are_the_lm_heads_product(tmp_path, rows):
         with torch.inference_mode():
             plain, vocab_major = model.compute_logits(hidden), model.compute_logits(hidden, vocab_major=True)
         torch.testing.assert_close(vocab_major, plain, rtol=1.6e-2, atol=1e-2)
-        if tied and rows > 1:
+        if tied and rows > 1 and model.lm_head.weight.numel() > 0:  # a plain tied head (no AMX packing)
             assert vocab_major.stride() == (1, rows)
         else:
             assert vocab_major.is_contiguous()

@@ -3,8 +3,9 @@ extension builder) and cached on disk, so later processes load them in well unde
 
 They do what PyTorch's ops can only do in several passes: decode attention read straight from the
 paged KV cache (no gathered copy of K/V, one parallel loop instead of ~10 small kernels per layer),
-the decoder's elementwise steps fused (residual add + RMSNorm, SiLU * up, rotary embedding), and a
-GEMV that streams a plain bf16 weight (a tied LM head) at a few rows.
+the decoder's elementwise steps fused (residual add + RMSNorm, SiLU * up, rotary embedding), bf16
+Linear layers over a weight packed once for AMX tiles and AVX512-BF16 dot products (packed_linear.cpp;
+on CPUs without them oneDNN's packed layout is used), and a GEMV that streams a plain bf16 weight.
 Every kernel has a PyTorch twin that is used when the kernels cannot be built (no C++ compiler, a GPU
 device) or are turned off with PAGEDLLM_CPU_KERNELS=0; tests check one against the other.
 """
@@ -23,8 +24,9 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _HEADER = "common.h"
-_SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp")
-_FUNCTIONS = ["paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "gemv_bf16"]
+_SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp", "packed_linear.cpp")
+_FUNCTIONS = ["paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "gemv_bf16",
+              "packed_linear_supported", "pack_linear_weight", "packed_linear", "packed_embedding"]
 # -O3 with the reassociation that lets the compiler vectorise dot products (no -ffast-math: its
 # assumptions about infinities and NaN are not ours to make).
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",

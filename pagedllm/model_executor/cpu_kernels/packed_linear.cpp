@@ -1,0 +1,305 @@
+// Linear layers over a bfloat16 weight packed once for the CPU's matrix units (AMX tiles and
+// AVX512-BF16 dot products), one layout for every batch size.
+//
+// Layout: a (N, K) weight becomes (N/16, K/2, 16, 2): column block nb holds, for each pair of K, its 16
+// output columns' two values side by side. That is the "VNNI" operand that TDPBF16PS (AMX) and
+// VDPBF16PS (AVX-512) both read, and each column block is one contiguous run of memory:
+//   - few rows (decode at small batch): every 64-byte load is 16 columns x one K pair, used for all
+//     rows; four column blocks in flight keep four independent streams for the prefetchers. This reads
+//     the weight at the machine's memory bandwidth, where oneDNN's GEMV reads at ~60% of it.
+//   - more rows: AMX tiles, weight tiles prefetched a few tiles ahead. Up to 64 rows every row tile is
+//     multiplied by each weight tile as it arrives (the weight is read once); beyond that, 32 x 32
+//     output blocks over row bands that stay in cache.
+// The embedding of a tied LM head reads its rows back out of the same packed weight.
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PAGEDLLM_HAS_AMX 1
+#else
+#define PAGEDLLM_HAS_AMX 0
+#endif
+
+namespace {
+
+constexpr int64_t kColumnBlock = 16;  // output columns per packed block (an AMX tile's width in fp32)
+constexpr int64_t kTileK = 32;        // K elements per tile (64 bytes of bf16)
+constexpr int64_t kDotMaxRows = 4;    // up to this many rows the AVX-512 dot product path runs
+constexpr int64_t kRowBand = 256;     // rows per band (their x tiles stay in L2) beyond 64 rows
+constexpr int64_t kPrefetchTiles = 4; // how far ahead weight tiles are prefetched
+
+#if PAGEDLLM_HAS_AMX
+
+bool request_amx() {
+  // Linux hands out the 8 KB tile register state only to processes that ask for it.
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile used here is 16 rows x 64 bytes: C tiles (16 x 16 fp32), x tiles (16 rows x 32 bf16),
+// weight tiles (16 K pairs x 16 columns x 2).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+inline void prefetch_weight_tile(const uint16_t* tile) {
+  const char* p = reinterpret_cast<const char*>(tile);
+  for (int i = 0; i < 1024; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
+
+// 16 fp32 sums (+ bias) rounded to bf16 at out.
+inline void store_columns(const float* sums, const float* bias, c10::BFloat16* out) {
+  f32x16 v = load16(sums);
+  if (bias != nullptr) v += load16(bias);
+  store16(out, v);
+}
+
+// A 16 x 16 C tile (stored row-major at c) into output rows row0.. (those below m) at column col.
+inline void store_tile(const float* c, int64_t row0, int64_t m, int64_t col, const float* bias,
+                       c10::BFloat16* y, int64_t n) {
+  for (int64_t r = 0; r < 16 && row0 + r < m; ++r)
+    store_columns(c + r * 16, bias == nullptr ? nullptr : bias + col, y + (row0 + r) * n + col);
+}
+
+template <int M>
+void dot_rows(const uint32_t* x, int64_t kp, const uint16_t* w, const float* bias, c10::BFloat16* y,
+              int64_t n_blocks) {
+  constexpr int kBlocks = M == 1 ? 4 : 2;  // column blocks at once: independent sums and streams
+  const int64_t n = n_blocks * kColumnBlock;
+  at::parallel_for(0, (n_blocks + kBlocks - 1) / kBlocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t nb0 = group * kBlocks;
+      const int blocks = static_cast<int>(std::min<int64_t>(kBlocks, n_blocks - nb0));
+      const uint16_t* base = w + nb0 * kp * 32;
+      __m512 acc[kBlocks][M];
+      for (int b = 0; b < kBlocks; ++b)
+        for (int r = 0; r < M; ++r) acc[b][r] = _mm512_setzero_ps();
+      if (blocks == kBlocks) {
+        for (int64_t i = 0; i < kp; ++i) {
+          __m512bh xs[M];
+          for (int r = 0; r < M; ++r) xs[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kp + i]));
+          for (int b = 0; b < kBlocks; ++b) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(base + (b * kp + i) * 32);
+            for (int r = 0; r < M; ++r) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], xs[r], wv);
+          }
+        }
+      } else {  // the last, partial group
+        for (int b = 0; b < blocks; ++b)
+          for (int64_t i = 0; i < kp; ++i) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(base + (b * kp + i) * 32);
+            for (int r = 0; r < M; ++r)
+              acc[b][r] = _mm512_dpbf16_ps(acc[b][r], (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kp + i])), wv);
+          }
+      }
+      for (int b = 0; b < blocks; ++b) {
+        const int64_t col = (nb0 + b) * kColumnBlock;
+        for (int r = 0; r < M; ++r) {
+          alignas(64) float sums[16];
+          _mm512_store_ps(sums, acc[b][r]);
+          store_columns(sums, bias == nullptr ? nullptr : bias + col, y + r * n + col);
+        }
+      }
+    }
+  });
+}
+
+// Up to 64 rows (MT row tiles, x zero-padded to MT * 16 rows): one column block at a time, each
+// weight tile (tile 6) loaded once and multiplied by every x tile (4 and 5 in turn) into C tiles 0..MT-1.
+template <int MT>
+void amx_column_blocks(const c10::BFloat16* x, int64_t k, const uint16_t* w, const float* bias,
+                       c10::BFloat16* y, int64_t m, int64_t n_blocks) {
+  const int64_t kp = k / 2, n = n_blocks * kColumnBlock, x_stride = k * 2;
+  at::parallel_for(0, n_blocks, 4, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float c[4][16 * 16];
+    for (int64_t nb = begin; nb < end; ++nb) {
+      const uint16_t* b = w + nb * kp * 32;
+      _tile_zero(0);
+      if (MT > 1) _tile_zero(1);
+      if (MT > 2) _tile_zero(2);
+      if (MT > 3) _tile_zero(3);
+      for (int64_t kk = 0; kk < k; kk += kTileK) {
+        prefetch_weight_tile(b + (kk + kPrefetchTiles * kTileK) * 16);  // may run past the end: harmless
+        _tile_loadd(6, b + kk * 16, 64);
+        _tile_loadd(4, x + kk, x_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (MT > 1) { _tile_loadd(5, x + 16 * k + kk, x_stride); _tile_dpbf16ps(1, 5, 6); }
+        if (MT > 2) { _tile_loadd(4, x + 32 * k + kk, x_stride); _tile_dpbf16ps(2, 4, 6); }
+        if (MT > 3) { _tile_loadd(5, x + 48 * k + kk, x_stride); _tile_dpbf16ps(3, 5, 6); }
+      }
+      _tile_stored(0, c[0], 64);
+      if (MT > 1) _tile_stored(1, c[1], 64);
+      if (MT > 2) _tile_stored(2, c[2], 64);
+      if (MT > 3) _tile_stored(3, c[3], 64);
+      for (int mt = 0; mt < MT; ++mt) store_tile(c[mt], mt * 16, m, nb * kColumnBlock, bias, y, n);
+    }
+    _tile_release();
+  });
+}
+
+// More rows (x zero-padded to m_pad, a multiple of 16): 32 x 32 output blocks, C tiles 0-3 (2 row
+// tiles x 2 column blocks), x tiles 4-5, weight tiles 6-7. Rows go in bands of kRowBand, so a band's
+// x stays in cache while the weight streams past it.
+void amx_row_bands(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint16_t* w, const float* bias,
+                   c10::BFloat16* y, int64_t m, int64_t n_blocks) {
+  const int64_t kp = k / 2, n = n_blocks * kColumnBlock, x_stride = k * 2;
+  at::parallel_for(0, (n_blocks + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    alignas(64) float c[4][16 * 16];
+    for (int64_t band = 0; band < m_pad; band += kRowBand) {
+      const int64_t band_end = std::min(m_pad, band + kRowBand);
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t nb0 = pair * 2;
+        const bool two_cols = nb0 + 1 < n_blocks;
+        const uint16_t* b0 = w + nb0 * kp * 32;
+        const uint16_t* b1 = b0 + kp * 32;
+        for (int64_t m0 = band; m0 < band_end; m0 += 32) {
+          const bool two_rows = m0 + 16 < band_end;
+          const c10::BFloat16* a0 = x + m0 * k;
+          const c10::BFloat16* a1 = a0 + 16 * k;
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          for (int64_t kk = 0; kk < k; kk += kTileK) {
+            if (m0 == band) {  // the first pass over these columns reads them from memory
+              prefetch_weight_tile(b0 + (kk + kPrefetchTiles * kTileK) * 16);
+              if (two_cols) prefetch_weight_tile(b1 + (kk + kPrefetchTiles * kTileK) * 16);
+            }
+            _tile_loadd(6, b0 + kk * 16, 64);
+            _tile_loadd(4, a0 + kk, x_stride);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two_cols) { _tile_loadd(7, b1 + kk * 16, 64); _tile_dpbf16ps(1, 4, 7); }
+            if (two_rows) {
+              _tile_loadd(5, a1 + kk, x_stride);
+              _tile_dpbf16ps(2, 5, 6);
+              if (two_cols) _tile_dpbf16ps(3, 5, 7);
+            }
+          }
+          _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
+          _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+          for (int nt = 0; nt < (two_cols ? 2 : 1); ++nt) {
+            store_tile(c[nt], m0, m, (nb0 + nt) * kColumnBlock, bias, y, n);
+            if (two_rows) store_tile(c[2 + nt], m0 + 16, m, (nb0 + nt) * kColumnBlock, bias, y, n);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+#endif  // PAGEDLLM_HAS_AMX
+
+void check_packed(const at::Tensor& packed) {
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kColumnBlock &&
+                  packed.size(3) == 2 && packed.size(1) % (kTileK / 2) == 0 && packed.is_contiguous(),
+              "packed must be a weight from pack_linear_weight: contiguous bfloat16 (N/16, K/2, 16, 2)");
+}
+
+}  // namespace
+
+// True when this build has the AMX / AVX512-BF16 kernels and the OS lets this process use AMX tiles.
+bool packed_linear_supported() {
+#if PAGEDLLM_HAS_AMX
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+// weight: (N, K) bfloat16 with N % 16 == 0 and K % 32 == 0 -> the packed (N/16, K/2, 16, 2) layout.
+at::Tensor pack_linear_weight(const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.dim() == 2 && weight.size(0) % kColumnBlock == 0 &&
+                  weight.size(1) % kTileK == 0,
+              "pack_linear_weight takes a bfloat16 (N, K) weight with N % 16 == 0 and K % 32 == 0, got ",
+              weight.scalar_type(), " ", weight.sizes());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  return weight.contiguous().view({n / kColumnBlock, kColumnBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// y = x @ W^T + bias for x (..., K) bfloat16, the packed W, bias None or (N,) float32. Returns (..., N) bfloat16.
+at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed_linear_supported(), "packed_linear needs AMX and AVX512-BF16 (see packed_linear_supported)");
+  check_packed(packed);
+  const int64_t n_blocks = packed.size(0), n = n_blocks * kColumnBlock, k = packed.size(1) * 2;
+  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1 && x_in.size(-1) == k,
+              "x must be bfloat16 (..., ", k, "), got ", x_in.scalar_type(), " ", x_in.sizes());
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == n && bias->is_contiguous(),
+                "bias must be a contiguous float32 (", n, ",) vector");
+    bp = bias->data_ptr<float>();
+  }
+  const at::Tensor x = x_in.contiguous();
+  const int64_t m = x.numel() / k;
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  at::Tensor y = at::empty(out_shape, x.options());
+  if (m == 0) return y;
+#if PAGEDLLM_HAS_AMX
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  if (m <= kDotMaxRows) {
+    const auto* x32 = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
+    switch (m) {
+      case 1: dot_rows<1>(x32, k / 2, w, bp, yp, n_blocks); break;
+      case 2: dot_rows<2>(x32, k / 2, w, bp, yp, n_blocks); break;
+      case 3: dot_rows<3>(x32, k / 2, w, bp, yp, n_blocks); break;
+      default: dot_rows<4>(x32, k / 2, w, bp, yp, n_blocks); break;
+    }
+    return y;
+  }
+  const int64_t m_pad = (m + 15) / 16 * 16;
+  at::Tensor x_pad = x.view({m, k});
+  if (m_pad != m) {  // tiles load 16 rows: zero rows fill the last one
+    x_pad = at::zeros({m_pad, k}, x.options());
+    x_pad.narrow(0, 0, m).copy_(x.view({m, k}));
+  }
+  const auto* xp = x_pad.data_ptr<c10::BFloat16>();
+  switch (m_pad / 16) {
+    case 1: amx_column_blocks<1>(xp, k, w, bp, yp, m, n_blocks); break;
+    case 2: amx_column_blocks<2>(xp, k, w, bp, yp, m, n_blocks); break;
+    case 3: amx_column_blocks<3>(xp, k, w, bp, yp, m, n_blocks); break;
+    case 4: amx_column_blocks<4>(xp, k, w, bp, yp, m, n_blocks); break;
+    default: amx_row_bands(xp, m_pad, k, w, bp, yp, m, n_blocks); break;
+  }
+#endif
+  return y;
+}
+
+// The rows of the weight that `packed` was made from, for token ids (any shape): an embedding that
+// shares its table with a packed LM head. Returns ids.shape + (K,) bfloat16.
+at::Tensor packed_embedding(const at::Tensor& ids_in, const at::Tensor& packed) {
+  check_packed(packed);
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong || ids_in.scalar_type() == at::kInt, "ids must be int64 or int32");
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t n = packed.size(0) * kColumnBlock, kp = packed.size(1), count = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < n, "token id ", id[t], " is out of range for an embedding of ", n, " rows");
+  auto out_shape = ids.sizes().vec();
+  out_shape.push_back(kp * 2);
+  at::Tensor out = at::empty(out_shape, packed.options());
+  const auto* w = reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>());
+  auto* o = reinterpret_cast<uint32_t*>(out.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint32_t* column = w + (id[t] / kColumnBlock) * kp * kColumnBlock + id[t] % kColumnBlock;
+      for (int64_t i = 0; i < kp; ++i) o[t * kp + i] = column[i * kColumnBlock];  // one K pair per 64 bytes
+    }
+  });
+  return out;
+}
