@@ -67,7 +67,7 @@ class ModelRunner:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of all weights: parameters (shared ones once) plus those packed for oneDNN."""
+        """Bytes of all weights: parameters (shared ones once) plus those packed for the CPU kernels or oneDNN."""
         seen, total = set(), getattr(self.model, "packed_weight_bytes", 0)
         for p in self.model.parameters():
             if p.data_ptr() not in seen:

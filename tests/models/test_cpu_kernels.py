@@ -125,6 +125,35 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
     assert attention_module.cpu_kernels is cpu_kernels
 
 
+def test_a_lock_left_by_an_interrupted_build_is_removed(monkeypatch, tmp_path, caplog):
+    """A build killed midway leaves PyTorch's lock file, which makes every later build wait for good:
+    an old one is removed with a warning, a fresh one (a build running now) is left alone."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline",
+                        lambda name, **kwargs: seen.append((tmp_path / name / "lock").exists()) or object())
+    lock = tmp_path / f"pagedllm_cpu_{cpu_kernels_module._cpu_signature()}" / "lock"
+    lock.parent.mkdir()
+    try:
+        lock.touch()
+        cpu_kernels.cache_clear()
+        assert cpu_kernels() is not None and seen == [True]  # a fresh lock: another build owns it
+        hour_ago = time.time() - 3600
+        os.utime(lock, (hour_ago, hour_ago))
+        cpu_kernels.cache_clear()
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels_module.__name__):
+            assert cpu_kernels() is not None and seen == [True, False]
+        assert "interrupted kernel build" in caplog.text and not lock.exists()
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.cache_clear()
+
+
 # --------------------------------------------------------------------------------------------
 # Fused elementwise kernels: bit-identical to the PyTorch ops they replace in bfloat16 (the
 # reference's rounding points are kept), within float32 rounding in float32.
@@ -286,3 +315,28 @@ def test_packed_linear_refuses_what_it_cannot_multiply():
     with pytest.raises(RuntimeError, match="packed must be a weight from pack_linear_weight"):
         kernels.packed_linear(torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(32, 64, dtype=torch.bfloat16), None)
     assert kernels.packed_linear(torch.zeros(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 32)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 33, 64, 65, 100])
+def test_packed_silu_mul_is_silu_and_mul_of_the_product(rows):
+    """Gate / up blocks alternating in the packed weight: SiLU(gate) * up straight out of the product,
+    the same bits as the Linear's output put through silu_and_mul."""
+    gen = torch.Generator().manual_seed(rows)
+    width, k = 96, 128  # 6 column blocks per half
+    w = (torch.randn(2 * width, k, generator=gen) * 0.1).to(torch.bfloat16)
+    bias = torch.randn(2 * width, generator=gen).float()
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    kernels = cpu_kernels()
+
+    def alternate(t):
+        return t.unflatten(0, (2, -1, 16)).transpose(0, 1).flatten(0, 2)
+
+    packed_plain, packed_alternating = kernels.pack_linear_weight(w), kernels.pack_linear_weight(alternate(w))
+    for b in (None, bias):
+        plain = kernels.packed_linear(x, packed_plain, b)
+        fused = kernels.packed_linear_silu_mul(x, packed_alternating, None if b is None else alternate(b).contiguous())
+        assert fused.shape == (rows, width)
+        assert torch.equal(fused, kernels.silu_and_mul(plain))
+    with pytest.raises(RuntimeError, match="even number of 16-column blocks"):
+        kernels.packed_linear_silu_mul(x, kernels.pack_linear_weight(w[:48]), None)

@@ -66,6 +66,23 @@ def test_a_tied_head_is_packed_once_for_head_and_embedding(rows):
         torch.testing.assert_close(model.proj(x), F.linear(x, plain_proj_w, plain_proj_b), rtol=1.6e-2, atol=1e-2)
 
 
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 64])
+def test_gate_up_packed_for_the_fused_silu(rows):
+    """A Linear marked feeds_silu_and_mul: its forward is still the [gate | up] product, and its
+    fused_silu_and_mul gives SiLU(gate) * up of that product, bit for bit."""
+    torch.manual_seed(0)
+    gate_up = nn.Linear(64, 2 * 48, bias=True).to(torch.bfloat16)
+    gate_up.feeds_silu_and_mul = True
+    plain_w, plain_b = gate_up.weight.detach().clone(), gate_up.bias.detach().clone()
+    assert pack_linear_weights(gate_up) == 96 * 64 * 2
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        product = gate_up(x)
+        torch.testing.assert_close(product, F.linear(x, plain_w, plain_b), rtol=1.6e-2, atol=1e-2)
+        assert torch.equal(gate_up.fused_silu_and_mul(x), cpu_kernels().silu_and_mul(product))
+
+
 def test_float32_weights_are_left_alone():
     model = _TiedModel().eval()
     assert pack_linear_weights(model) == 0
@@ -76,7 +93,7 @@ def test_float32_weights_are_left_alone():
 @pytest.mark.parametrize("rows", [1, 64])
 def test_vocab_major_logits_are_the_lm_heads_product(tmp_path, rows):
     """compute_logits(vocab_major=True) on a tied bf16 head: the same products, laid out (vocab, rows);
-    an untied (packed) head ignores the request."""
+    a packed head (untied, or tied and packed with its embedding for AMX) ignores the request."""
     from pagedllm import LLM
     from tests.helpers import make_tiny_model
 

@@ -26,7 +26,8 @@ logger = logging.getLogger(__name__)
 _HEADER = "common.h"
 _SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp", "packed_linear.cpp")
 _FUNCTIONS = ["paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "gemv_bf16",
-              "packed_linear_supported", "pack_linear_weight", "packed_linear", "packed_embedding"]
+              "packed_linear_supported", "pack_linear_weight", "packed_linear", "packed_linear_silu_mul",
+              "packed_embedding"]
 # -O3 with the reassociation that lets the compiler vectorise dot products (no -ffast-math: its
 # assumptions about infinities and NaN are not ours to make).
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -59,6 +60,25 @@ def _ensure_ninja_on_path() -> None:
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+# PyTorch's builder holds a lock file in the build directory while it compiles, and waits for as long
+# as it exists: a build killed midway (Ctrl-C on the first start) would leave every later start
+# waiting forever. The build takes ~1 min here; a lock this old is a leftover.
+_STALE_LOCK_SECONDS = 15 * 60
+
+
+def _remove_stale_build_lock(name: str) -> None:
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return  # no lock: no build running or interrupted
+    if age > _STALE_LOCK_SECONDS:
+        logger.warning("removing %s, left %.0f min ago by an interrupted kernel build", lock, age / 60)
+        lock.unlink(missing_ok=True)
+
+
 @functools.lru_cache(maxsize=1)
 def cpu_kernels() -> ModuleType | None:
     """The compiled kernels, or None (with the reason logged once) when they cannot be had."""
@@ -75,6 +95,7 @@ def cpu_kernels() -> ModuleType | None:
         source = "\n".join([(here / _HEADER).read_text()]
                            + [(here / name).read_text().replace(include, "") for name in _SOURCES])
         name = f"pagedllm_cpu_{_cpu_signature()}"
+        _remove_stale_build_lock(name)
         start = time.perf_counter()
         logger.info("loading native CPU kernels %s (the first start on a machine or venv compiles them: ~1 min)", name)
         module = load_inline(name, cpp_sources=[source], functions=_FUNCTIONS, extra_cflags=_CFLAGS,

@@ -69,18 +69,53 @@ inline void store_columns(const float* sums, const float* bias, c10::BFloat16* o
   store16(out, v);
 }
 
-// A 16 x 16 C tile (stored row-major at c) into output rows row0.. (those below m) at column col.
-inline void store_tile(const float* c, int64_t row0, int64_t m, int64_t col, const float* bias,
-                       c10::BFloat16* y, int64_t n) {
-  for (int64_t r = 0; r < 16 && row0 + r < m; ++r)
-    store_columns(c + r * 16, bias == nullptr ? nullptr : bias + col, y + (row0 + r) * n + col);
+// SiLU(gate) * up from a gate block's and its up block's 16 sums, rounded where F.silu(gate) * up
+// rounds in bfloat16 (gate and up as the Linear's outputs, the SiLU, the product): the same bits as
+// silu_and_mul over the Linear's output.
+inline void store_silu_mul(const float* gate_sums, const float* up_sums, const float* bias, c10::BFloat16* out) {
+  f32x16 gate = load16(gate_sums), up = load16(up_sums);
+  if (bias != nullptr) {
+    gate += load16(bias);
+    up += load16(bias + 16);
+  }
+  gate = round_to(gate, c10::BFloat16());
+  up = round_to(up, c10::BFloat16());
+  store16(out, round_to(gate / (1.f + exp16(-gate)), c10::BFloat16()) * up);
 }
 
-template <int M>
-void dot_rows(const uint32_t* x, int64_t kp, const uint16_t* w, const float* bias, c10::BFloat16* y,
-              int64_t n_blocks) {
-  constexpr int kBlocks = M == 1 ? 4 : 2;  // column blocks at once: independent sums and streams
-  const int64_t n = n_blocks * kColumnBlock;
+// Where the outputs of column block nb go. A plain Linear writes each block's 16 columns; with
+// kSiluMul the weight's blocks alternate gate, up (pack_gate_up in layers.py) and the pair (2j, 2j+1)
+// becomes output columns 16j .. 16j + 15.
+template <bool kSiluMul>
+struct Output {
+  c10::BFloat16* y;
+  int64_t n_out;  // output row stride
+  const float* bias;
+
+  // sums: 16 floats for block nb, followed (kSiluMul, nb even) by its up block's at next.
+  void store(const float* sums, const float* next, int64_t row, int64_t nb) const {
+    const float* b = bias == nullptr ? nullptr : bias + nb * kColumnBlock;
+    if constexpr (kSiluMul) {
+      store_silu_mul(sums, next, b, y + row * n_out + nb / 2 * kColumnBlock);
+    } else {
+      store_columns(sums, b, y + row * n_out + nb * kColumnBlock);
+    }
+  }
+};
+
+// The rows row0 .. (those below m) of 16 x 16 C tiles stored row-major: c for block nb (and, with
+// kSiluMul, c_up for block nb + 1).
+template <bool kSiluMul>
+inline void store_tile(const Output<kSiluMul>& out, const float* c, const float* c_up, int64_t row0, int64_t m,
+                       int64_t nb) {
+  for (int64_t r = 0; r < 16 && row0 + r < m; ++r)
+    out.store(c + r * 16, c_up == nullptr ? nullptr : c_up + r * 16, row0 + r, nb);
+}
+
+template <int M, bool kSiluMul>
+void dot_rows(const uint32_t* x, int64_t kp, const uint16_t* w, const Output<kSiluMul>& out, int64_t n_blocks) {
+  // Column blocks at once: independent sums and streams (an even count: gate / up pairs stay together).
+  constexpr int kBlocks = M == 1 ? 4 : 2;
   at::parallel_for(0, (n_blocks + kBlocks - 1) / kBlocks, 8, [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; ++group) {
       const int64_t nb0 = group * kBlocks;
@@ -106,12 +141,12 @@ void dot_rows(const uint32_t* x, int64_t kp, const uint16_t* w, const float* bia
               acc[b][r] = _mm512_dpbf16_ps(acc[b][r], (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kp + i])), wv);
           }
       }
-      for (int b = 0; b < blocks; ++b) {
-        const int64_t col = (nb0 + b) * kColumnBlock;
+      for (int b = 0; b < blocks; b += kSiluMul ? 2 : 1) {
         for (int r = 0; r < M; ++r) {
-          alignas(64) float sums[16];
-          _mm512_store_ps(sums, acc[b][r]);
-          store_columns(sums, bias == nullptr ? nullptr : bias + col, y + r * n + col);
+          alignas(64) float sums[2][16];
+          _mm512_store_ps(sums[0], acc[b][r]);
+          if (kSiluMul) _mm512_store_ps(sums[1], acc[b + 1][r]);
+          out.store(sums[0], sums[1], r, nb0 + b);
         }
       }
     }
@@ -121,32 +156,40 @@ void dot_rows(const uint32_t* x, int64_t kp, const uint16_t* w, const float* bia
 // Up to 64 rows (MT row tiles, x zero-padded to MT * 16 rows): one column block at a time, each
 // weight tile (tile 6) loaded once and multiplied by every x tile (4 and 5 in turn) into C tiles 0..MT-1.
 template <int MT>
-void amx_column_blocks(const c10::BFloat16* x, int64_t k, const uint16_t* w, const float* bias,
-                       c10::BFloat16* y, int64_t m, int64_t n_blocks) {
-  const int64_t kp = k / 2, n = n_blocks * kColumnBlock, x_stride = k * 2;
-  at::parallel_for(0, n_blocks, 4, [&](int64_t begin, int64_t end) {
+inline void multiply_column_block(const c10::BFloat16* x, int64_t k, const uint16_t* b, float (*c)[16 * 16]) {
+  const int64_t x_stride = k * 2;
+  _tile_zero(0);
+  if (MT > 1) _tile_zero(1);
+  if (MT > 2) _tile_zero(2);
+  if (MT > 3) _tile_zero(3);
+  for (int64_t kk = 0; kk < k; kk += kTileK) {
+    prefetch_weight_tile(b + (kk + kPrefetchTiles * kTileK) * 16);  // may run past the end: harmless
+    _tile_loadd(6, b + kk * 16, 64);
+    _tile_loadd(4, x + kk, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (MT > 1) { _tile_loadd(5, x + 16 * k + kk, x_stride); _tile_dpbf16ps(1, 5, 6); }
+    if (MT > 2) { _tile_loadd(4, x + 32 * k + kk, x_stride); _tile_dpbf16ps(2, 4, 6); }
+    if (MT > 3) { _tile_loadd(5, x + 48 * k + kk, x_stride); _tile_dpbf16ps(3, 5, 6); }
+  }
+  _tile_stored(0, c[0], 64);
+  if (MT > 1) _tile_stored(1, c[1], 64);
+  if (MT > 2) _tile_stored(2, c[2], 64);
+  if (MT > 3) _tile_stored(3, c[3], 64);
+}
+
+template <int MT, bool kSiluMul>
+void amx_column_blocks(const c10::BFloat16* x, int64_t k, const uint16_t* w, const Output<kSiluMul>& out, int64_t m,
+                       int64_t n_blocks) {
+  const int64_t kp = k / 2;
+  constexpr int kStep = kSiluMul ? 2 : 1;  // a gate block and its up block together
+  at::parallel_for(0, n_blocks / kStep, 4, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    alignas(64) float c[4][16 * 16];
-    for (int64_t nb = begin; nb < end; ++nb) {
-      const uint16_t* b = w + nb * kp * 32;
-      _tile_zero(0);
-      if (MT > 1) _tile_zero(1);
-      if (MT > 2) _tile_zero(2);
-      if (MT > 3) _tile_zero(3);
-      for (int64_t kk = 0; kk < k; kk += kTileK) {
-        prefetch_weight_tile(b + (kk + kPrefetchTiles * kTileK) * 16);  // may run past the end: harmless
-        _tile_loadd(6, b + kk * 16, 64);
-        _tile_loadd(4, x + kk, x_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        if (MT > 1) { _tile_loadd(5, x + 16 * k + kk, x_stride); _tile_dpbf16ps(1, 5, 6); }
-        if (MT > 2) { _tile_loadd(4, x + 32 * k + kk, x_stride); _tile_dpbf16ps(2, 4, 6); }
-        if (MT > 3) { _tile_loadd(5, x + 48 * k + kk, x_stride); _tile_dpbf16ps(3, 5, 6); }
-      }
-      _tile_stored(0, c[0], 64);
-      if (MT > 1) _tile_stored(1, c[1], 64);
-      if (MT > 2) _tile_stored(2, c[2], 64);
-      if (MT > 3) _tile_stored(3, c[3], 64);
-      for (int mt = 0; mt < MT; ++mt) store_tile(c[mt], mt * 16, m, nb * kColumnBlock, bias, y, n);
+    alignas(64) float c[2][4][16 * 16];
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t nb = i * kStep;
+      multiply_column_block<MT>(x, k, w + nb * kp * 32, c[0]);
+      if (kSiluMul) multiply_column_block<MT>(x, k, w + (nb + 1) * kp * 32, c[1]);
+      for (int mt = 0; mt < MT; ++mt) store_tile(out, c[0][mt], kSiluMul ? c[1][mt] : nullptr, mt * 16, m, nb);
     }
     _tile_release();
   });
@@ -155,9 +198,10 @@ void amx_column_blocks(const c10::BFloat16* x, int64_t k, const uint16_t* w, con
 // More rows (x zero-padded to m_pad, a multiple of 16): 32 x 32 output blocks, C tiles 0-3 (2 row
 // tiles x 2 column blocks), x tiles 4-5, weight tiles 6-7. Rows go in bands of kRowBand, so a band's
 // x stays in cache while the weight streams past it.
-void amx_row_bands(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint16_t* w, const float* bias,
-                   c10::BFloat16* y, int64_t m, int64_t n_blocks) {
-  const int64_t kp = k / 2, n = n_blocks * kColumnBlock, x_stride = k * 2;
+template <bool kSiluMul>
+void amx_row_bands(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint16_t* w, const Output<kSiluMul>& out,
+                   int64_t m, int64_t n_blocks) {
+  const int64_t kp = k / 2, x_stride = k * 2;
   at::parallel_for(0, (n_blocks + 1) / 2, 4, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) float c[4][16 * 16];
@@ -190,9 +234,14 @@ void amx_row_bands(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint1
           }
           _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
           _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
-          for (int nt = 0; nt < (two_cols ? 2 : 1); ++nt) {
-            store_tile(c[nt], m0, m, (nb0 + nt) * kColumnBlock, bias, y, n);
-            if (two_rows) store_tile(c[2 + nt], m0 + 16, m, (nb0 + nt) * kColumnBlock, bias, y, n);
+          if (kSiluMul) {  // (nb0, nb0 + 1) is a gate block and its up block
+            store_tile(out, c[0], c[1], m0, m, nb0);
+            if (two_rows) store_tile(out, c[2], c[3], m0 + 16, m, nb0);
+          } else {
+            for (int nt = 0; nt < (two_cols ? 2 : 1); ++nt) {
+              store_tile(out, c[nt], nullptr, m0, m, nb0 + nt);
+              if (two_rows) store_tile(out, c[2 + nt], nullptr, m0 + 16, m, nb0 + nt);
+            }
           }
         }
       }
@@ -230,11 +279,46 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
   return weight.contiguous().view({n / kColumnBlock, kColumnBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// y = x @ W^T + bias for x (..., K) bfloat16, the packed W, bias None or (N,) float32. Returns (..., N) bfloat16.
-at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+namespace {
+
+#if PAGEDLLM_HAS_AMX
+// Picks the path by row count; x: (m, k) contiguous.
+template <bool kSiluMul>
+void multiply(const at::Tensor& x, int64_t m, int64_t k, const uint16_t* w, const Output<kSiluMul>& out,
+              int64_t n_blocks) {
+  if (m <= kDotMaxRows) {
+    const auto* x32 = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
+    switch (m) {
+      case 1: dot_rows<1>(x32, k / 2, w, out, n_blocks); break;
+      case 2: dot_rows<2>(x32, k / 2, w, out, n_blocks); break;
+      case 3: dot_rows<3>(x32, k / 2, w, out, n_blocks); break;
+      default: dot_rows<4>(x32, k / 2, w, out, n_blocks); break;
+    }
+    return;
+  }
+  const int64_t m_pad = (m + 15) / 16 * 16;
+  at::Tensor x_pad = x;
+  if (m_pad != m) {  // tiles load 16 rows: zero rows fill the last one
+    x_pad = at::zeros({m_pad, k}, x.options());
+    x_pad.narrow(0, 0, m).copy_(x);
+  }
+  const auto* xp = x_pad.data_ptr<c10::BFloat16>();
+  switch (m_pad / 16) {
+    case 1: amx_column_blocks<1>(xp, k, w, out, m, n_blocks); break;
+    case 2: amx_column_blocks<2>(xp, k, w, out, m, n_blocks); break;
+    case 3: amx_column_blocks<3>(xp, k, w, out, m, n_blocks); break;
+    case 4: amx_column_blocks<4>(xp, k, w, out, m, n_blocks); break;
+    default: amx_row_bands(xp, m_pad, k, w, out, m, n_blocks); break;
+  }
+}
+#endif
+
+template <bool kSiluMul>
+at::Tensor packed_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed_linear_supported(), "packed_linear needs AMX and AVX512-BF16 (see packed_linear_supported)");
   check_packed(packed);
   const int64_t n_blocks = packed.size(0), n = n_blocks * kColumnBlock, k = packed.size(1) * 2;
+  TORCH_CHECK(!kSiluMul || n_blocks % 2 == 0, "a gate / up weight has an even number of 16-column blocks");
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() >= 1 && x_in.size(-1) == k,
               "x must be bfloat16 (..., ", k, "), got ", x_in.scalar_type(), " ", x_in.sizes());
   const float* bp = nullptr;
@@ -244,40 +328,31 @@ at::Tensor packed_linear(const at::Tensor& x_in, const at::Tensor& packed, const
     bp = bias->data_ptr<float>();
   }
   const at::Tensor x = x_in.contiguous();
-  const int64_t m = x.numel() / k;
+  const int64_t m = x.numel() / k, n_out = kSiluMul ? n / 2 : n;
   auto out_shape = x.sizes().vec();
-  out_shape.back() = n;
+  out_shape.back() = n_out;
   at::Tensor y = at::empty(out_shape, x.options());
   if (m == 0) return y;
 #if PAGEDLLM_HAS_AMX
-  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
-  auto* yp = y.data_ptr<c10::BFloat16>();
-  if (m <= kDotMaxRows) {
-    const auto* x32 = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
-    switch (m) {
-      case 1: dot_rows<1>(x32, k / 2, w, bp, yp, n_blocks); break;
-      case 2: dot_rows<2>(x32, k / 2, w, bp, yp, n_blocks); break;
-      case 3: dot_rows<3>(x32, k / 2, w, bp, yp, n_blocks); break;
-      default: dot_rows<4>(x32, k / 2, w, bp, yp, n_blocks); break;
-    }
-    return y;
-  }
-  const int64_t m_pad = (m + 15) / 16 * 16;
-  at::Tensor x_pad = x.view({m, k});
-  if (m_pad != m) {  // tiles load 16 rows: zero rows fill the last one
-    x_pad = at::zeros({m_pad, k}, x.options());
-    x_pad.narrow(0, 0, m).copy_(x.view({m, k}));
-  }
-  const auto* xp = x_pad.data_ptr<c10::BFloat16>();
-  switch (m_pad / 16) {
-    case 1: amx_column_blocks<1>(xp, k, w, bp, yp, m, n_blocks); break;
-    case 2: amx_column_blocks<2>(xp, k, w, bp, yp, m, n_blocks); break;
-    case 3: amx_column_blocks<3>(xp, k, w, bp, yp, m, n_blocks); break;
-    case 4: amx_column_blocks<4>(xp, k, w, bp, yp, m, n_blocks); break;
-    default: amx_row_bands(xp, m_pad, k, w, bp, yp, m, n_blocks); break;
-  }
+  const Output<kSiluMul> out{y.data_ptr<c10::BFloat16>(), n_out, bp};
+  multiply(x.view({m, k}), m, k, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), out, n_blocks);
 #endif
   return y;
+}
+
+}  // namespace
+
+// y = x @ W^T + bias for x (..., K) bfloat16, the packed W, bias None or (N,) float32. Returns (..., N) bfloat16.
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  return packed_product<false>(x, packed, bias);
+}
+
+// SiLU(gate) * up of an MLP's gate / up Linear in one pass: `packed` holds the weight with its gate and
+// up 16-row blocks alternating (gate rows 0-15, up rows 0-15, gate rows 16-31, ...; bias alike).
+// Returns (..., N / 2), the same bits as silu_and_mul(packed_linear(...)) in the plain order.
+at::Tensor packed_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                                  const c10::optional<at::Tensor>& bias) {
+  return packed_product<true>(x, packed, bias);
 }
 
 // The rows of the weight that `packed` was made from, for token ids (any shape): an embedding that

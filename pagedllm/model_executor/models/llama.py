@@ -52,8 +52,13 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act = get_activation(cfg.hidden_act)
+        # pack_linear_weights may then give gate_up_proj a fused_silu_and_mul(x) (CPU, AMX).
+        self.gate_up_proj.feeds_silu_and_mul = self.act is F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.gate_up_proj, "fused_silu_and_mul", None)
+        if fused is not None:
+            return self.down_proj(fused(x))
         gate_up = self.gate_up_proj(x)
         kernels = fused_kernels(gate_up) if self.act is F.silu else None
         if kernels is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
@@ -152,9 +157,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor, vocab_major: bool = False) -> torch.Tensor:
-        """(rows, vocab) logits. With vocab_major, a plain bf16 LM head on CPU (a tied embedding, see
-        pack_linear_weights) computes W @ hidden^T and returns that (vocab, rows) array's transposed
-        view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a caller that reads any layout. (Up to
+        """(rows, vocab) logits. With vocab_major, a plain bf16 LM head on CPU (a tied embedding that
+        pack_linear_weights could not pack, e.g. without AMX) computes W @ hidden^T and returns that
+        (vocab, rows) array's transposed view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a
+        caller that reads any layout. (Up to
         GEMV_MAX_ROWS rows the head's own forward runs a GEMV, faster still.)"""
         w = self.lm_head.weight
         if vocab_major and hidden.dim() == 2 and hidden.shape[0] > GEMV_MAX_ROWS and w.dtype == torch.bfloat16 \
