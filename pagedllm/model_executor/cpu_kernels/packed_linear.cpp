@@ -84,7 +84,7 @@ inline void store_silu_mul(const float* gate_sums, const float* up_sums, const f
 }
 
 // Where the outputs of column block nb go. A plain Linear writes each block's 16 columns; with
-// kSiluMul the weight's blocks alternate gate, up (pack_gate_up in layers.py) and the pair (2j, 2j+1)
+// kSiluMul the weight's blocks alternate gate, up (_pack_for_amx in layers.py) and the pair (2j, 2j+1)
 // becomes output columns 16j .. 16j + 15.
 template <bool kSiluMul>
 struct Output {
