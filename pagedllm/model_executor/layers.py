@@ -232,10 +232,8 @@ def pack_linear_weights(model: nn.Module) -> int:
                 module.forward = _shared_weight_forward.__get__(module)
             continue
         if amx and _amx_packable(w):
-            if getattr(module, "feeds_silu_and_mul", False) and w.shape[0] % 32 == 0:
-                _pack_for_amx(module, kernels, gate_up=True)
-            else:
-                _pack_for_amx(module, kernels)
+            gate_up = getattr(module, "feeds_silu_and_mul", False) and w.shape[0] % 32 == 0  # gate, up: whole blocks
+            _pack_for_amx(module, kernels, gate_up=gate_up)
         elif onednn:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACKING_BATCH_HINT)
             module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)

@@ -160,8 +160,8 @@ class LlamaForCausalLM(nn.Module):
         """(rows, vocab) logits. With vocab_major, a plain bf16 LM head on CPU (a tied embedding that
         pack_linear_weights could not pack, e.g. without AMX) computes W @ hidden^T and returns that
         (vocab, rows) array's transposed view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a
-        caller that reads any layout. (Up to
-        GEMV_MAX_ROWS rows the head's own forward runs a GEMV, faster still.)"""
+        caller that reads any layout. (Up to GEMV_MAX_ROWS rows the head's own forward runs a GEMV,
+        faster still.)"""
         w = self.lm_head.weight
         if vocab_major and hidden.dim() == 2 and hidden.shape[0] > GEMV_MAX_ROWS and w.dtype == torch.bfloat16 \
                 and w.device.type == "cpu" and w.numel() > 0 and self.lm_head.bias is None:
