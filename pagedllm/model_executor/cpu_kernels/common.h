@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -103,6 +104,25 @@ inline f32x16 exp16(f32x16 x) {
   std::memcpy(&scale, &bits, sizeof scale);
   const f32x16 inf = f32x16{} + std::numeric_limits<float>::infinity();
   return overflow ? inf : p * scale;
+}
+
+// Runs worker(next) on every thread, where next(begin, end) hands out the next `grain` of n items
+// (false when none are left): whichever thread is free takes the next chunk. ATen's parallel_for
+// splits a range evenly up front, and on a shared machine one core can run at a third of the other's
+// speed for seconds at a time (another tenant on its hyperthread sibling): an even split then makes
+// both wait for the slow one. worker does its per-thread set-up (AMX tile config) around the loop.
+template <typename Worker>
+void parallel_chunks(int64_t n, int64_t grain, const Worker& worker) {
+  grain = std::max<int64_t>(grain, 1);
+  std::atomic<int64_t> next_item{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    worker([&](int64_t& begin, int64_t& end) {
+      begin = next_item.fetch_add(grain, std::memory_order_relaxed);
+      end = std::min(n, begin + grain);
+      return begin < n;
+    });
+  });
 }
 
 inline float round_to(float x, float) { return x; }

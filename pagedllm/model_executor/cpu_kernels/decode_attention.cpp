@@ -1,6 +1,7 @@
 // Decode attention straight from the paged, head-major KV cache: one query per sequence, its keys
-// read block by block through the block table, no gathered copy of K/V. Parallel over
-// (sequence, KV head); the query heads that share a KV head (GQA) read each key and value row once.
+// read block by block through the block table, no gathered copy of K/V. Parallel over (sequence, KV
+// head), one item at a time to whichever thread is free; the query heads that share a KV head (GQA)
+// read each key and value row once.
 // Scores, softmax and the weighted sum of values are computed in float32; the output is rounded once.
 #include "common.h"
 
@@ -33,10 +34,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(bytes + off, 0, 3);
   };
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(num_seqs * num_kv_heads, 1, [&](const auto& next) {
     std::vector<f32x16> query(group * NC), acc(group * NC), tile(16 * NC);
     std::vector<float> scores, inv_total(group), row_max(group);
-    for (int64_t item = begin; item < end; ++item) {
+    int64_t first, end;
+    while (next(first, end)) for (int64_t item = first; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
       const int64_t n = lens[seq];
       const int64_t* blocks = table + seq * table_stride;

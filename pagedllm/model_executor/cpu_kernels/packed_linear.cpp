@@ -28,6 +28,10 @@ constexpr int64_t kTileK = 32;        // K elements per tile (64 bytes of bf16)
 constexpr int64_t kDotMaxRows = 4;    // up to this many rows the AVX-512 dot product path runs
 constexpr int64_t kRowBand = 256;     // rows per band (their x tiles stay in L2) beyond 64 rows
 constexpr int64_t kPrefetchTiles = 4; // how far ahead weight tiles are prefetched
+constexpr int64_t kChunkBytes = 128 << 10;  // weight bytes per chunk of work handed to a thread
+
+// Items per chunk when each item reads `item_bytes` of the weight.
+inline int64_t chunk_items(int64_t item_bytes) { return std::max<int64_t>(1, kChunkBytes / item_bytes); }
 
 #if PAGEDLLM_HAS_AMX
 
@@ -116,37 +120,40 @@ template <int M, bool kSiluMul>
 void dot_rows(const uint32_t* x, int64_t kp, const uint16_t* w, const Output<kSiluMul>& out, int64_t n_blocks) {
   // Column blocks at once: independent sums and streams (an even count: gate / up pairs stay together).
   constexpr int kBlocks = M == 1 ? 4 : 2;
-  at::parallel_for(0, (n_blocks + kBlocks - 1) / kBlocks, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t group = begin; group < end; ++group) {
-      const int64_t nb0 = group * kBlocks;
-      const int blocks = static_cast<int>(std::min<int64_t>(kBlocks, n_blocks - nb0));
-      const uint16_t* base = w + nb0 * kp * 32;
-      __m512 acc[kBlocks][M];
-      for (int b = 0; b < kBlocks; ++b)
-        for (int r = 0; r < M; ++r) acc[b][r] = _mm512_setzero_ps();
-      if (blocks == kBlocks) {
-        for (int64_t i = 0; i < kp; ++i) {
-          __m512bh xs[M];
-          for (int r = 0; r < M; ++r) xs[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kp + i]));
-          for (int b = 0; b < kBlocks; ++b) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(base + (b * kp + i) * 32);
-            for (int r = 0; r < M; ++r) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], xs[r], wv);
-          }
-        }
-      } else {  // the last, partial group
-        for (int b = 0; b < blocks; ++b)
+  parallel_chunks((n_blocks + kBlocks - 1) / kBlocks, chunk_items(kBlocks * kp * 64), [&](const auto& next) {
+    int64_t begin, end;
+    while (next(begin, end)) {
+      for (int64_t group = begin; group < end; ++group) {
+        const int64_t nb0 = group * kBlocks;
+        const int blocks = static_cast<int>(std::min<int64_t>(kBlocks, n_blocks - nb0));
+        const uint16_t* base = w + nb0 * kp * 32;
+        __m512 acc[kBlocks][M];
+        for (int b = 0; b < kBlocks; ++b)
+          for (int r = 0; r < M; ++r) acc[b][r] = _mm512_setzero_ps();
+        if (blocks == kBlocks) {
           for (int64_t i = 0; i < kp; ++i) {
-            const __m512bh wv = (__m512bh)_mm512_loadu_si512(base + (b * kp + i) * 32);
-            for (int r = 0; r < M; ++r)
-              acc[b][r] = _mm512_dpbf16_ps(acc[b][r], (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kp + i])), wv);
+            __m512bh xs[M];
+            for (int r = 0; r < M; ++r) xs[r] = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kp + i]));
+            for (int b = 0; b < kBlocks; ++b) {
+              const __m512bh wv = (__m512bh)_mm512_loadu_si512(base + (b * kp + i) * 32);
+              for (int r = 0; r < M; ++r) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], xs[r], wv);
+            }
           }
-      }
-      for (int b = 0; b < blocks; b += kSiluMul ? 2 : 1) {
-        for (int r = 0; r < M; ++r) {
-          alignas(64) float sums[2][16];
-          _mm512_store_ps(sums[0], acc[b][r]);
-          if (kSiluMul) _mm512_store_ps(sums[1], acc[b + 1][r]);
-          out.store(sums[0], sums[1], r, nb0 + b);
+        } else {  // the last, partial group
+          for (int b = 0; b < blocks; ++b)
+            for (int64_t i = 0; i < kp; ++i) {
+              const __m512bh wv = (__m512bh)_mm512_loadu_si512(base + (b * kp + i) * 32);
+              for (int r = 0; r < M; ++r)
+                acc[b][r] = _mm512_dpbf16_ps(acc[b][r], (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * kp + i])), wv);
+            }
+        }
+        for (int b = 0; b < blocks; b += kSiluMul ? 2 : 1) {
+          for (int r = 0; r < M; ++r) {
+            alignas(64) float sums[2][16];
+            _mm512_store_ps(sums[0], acc[b][r]);
+            if (kSiluMul) _mm512_store_ps(sums[1], acc[b + 1][r]);
+            out.store(sums[0], sums[1], r, nb0 + b);
+          }
         }
       }
     }
@@ -182,14 +189,17 @@ void amx_column_blocks(const c10::BFloat16* x, int64_t k, const uint16_t* w, con
                        int64_t n_blocks) {
   const int64_t kp = k / 2;
   constexpr int kStep = kSiluMul ? 2 : 1;  // a gate block and its up block together
-  at::parallel_for(0, n_blocks / kStep, 4, [&](int64_t begin, int64_t end) {
+  parallel_chunks(n_blocks / kStep, chunk_items(kStep * kp * 64), [&](const auto& next) {
     configure_tiles();
     alignas(64) float c[2][4][16 * 16];
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t nb = i * kStep;
-      multiply_column_block<MT>(x, k, w + nb * kp * 32, c[0]);
-      if (kSiluMul) multiply_column_block<MT>(x, k, w + (nb + 1) * kp * 32, c[1]);
-      for (int mt = 0; mt < MT; ++mt) store_tile(out, c[0][mt], kSiluMul ? c[1][mt] : nullptr, mt * 16, m, nb);
+    int64_t begin, end;
+    while (next(begin, end)) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t nb = i * kStep;
+        multiply_column_block<MT>(x, k, w + nb * kp * 32, c[0]);
+        if (kSiluMul) multiply_column_block<MT>(x, k, w + (nb + 1) * kp * 32, c[1]);
+        for (int mt = 0; mt < MT; ++mt) store_tile(out, c[0][mt], kSiluMul ? c[1][mt] : nullptr, mt * 16, m, nb);
+      }
     }
     _tile_release();
   });
@@ -197,17 +207,21 @@ void amx_column_blocks(const c10::BFloat16* x, int64_t k, const uint16_t* w, con
 
 // More rows (x zero-padded to m_pad, a multiple of 16): 32 x 32 output blocks, C tiles 0-3 (2 row
 // tiles x 2 column blocks), x tiles 4-5, weight tiles 6-7. Rows go in bands of kRowBand, so a band's
-// x stays in cache while the weight streams past it.
+// x stays in cache while the weight streams past it; the threads take (band, column pair) items band
+// by band, so they work on the same band at a time.
 template <bool kSiluMul>
 void amx_row_bands(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint16_t* w, const Output<kSiluMul>& out,
                    int64_t m, int64_t n_blocks) {
   const int64_t kp = k / 2, x_stride = k * 2;
-  at::parallel_for(0, (n_blocks + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+  const int64_t n_pairs = (n_blocks + 1) / 2, n_bands = (m_pad + kRowBand - 1) / kRowBand;
+  parallel_chunks(n_bands * n_pairs, chunk_items(2 * kp * 64), [&](const auto& next) {
     configure_tiles();
     alignas(64) float c[4][16 * 16];
-    for (int64_t band = 0; band < m_pad; band += kRowBand) {
-      const int64_t band_end = std::min(m_pad, band + kRowBand);
-      for (int64_t pair = begin; pair < end; ++pair) {
+    int64_t begin, end;
+    while (next(begin, end)) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t band = item / n_pairs * kRowBand, pair = item % n_pairs;
+        const int64_t band_end = std::min(m_pad, band + kRowBand);
         const int64_t nb0 = pair * 2;
         const bool two_cols = nb0 + 1 < n_blocks;
         const uint16_t* b0 = w + nb0 * kp * 32;
