@@ -160,10 +160,29 @@ void dot_rows(const uint32_t* x, int64_t kp, const uint16_t* w, const Output<kSi
   });
 }
 
+// A column block's sums waiting in C buffers to be written out (+ bias, rounded, SiLU * up): done a few
+// rows at a time between the next block's tile instructions, so the vector work of the output runs
+// while the matrix unit multiplies instead of after it (AMX and AVX-512 execute side by side).
+template <bool kSiluMul>
+struct PendingBlock {
+  const float (*c)[16 * 16] = nullptr;     // MT C tiles, row-major
+  const float (*c_up)[16 * 16] = nullptr;  // kSiluMul: the up block's
+  int64_t nb = -1, rows = 0, done = 0;
+
+  // Writes rows done .. upto (capped at rows).
+  void write(const Output<kSiluMul>& out, int64_t upto) {
+    if (nb < 0) return;
+    for (upto = std::min(upto, rows); done < upto; ++done)
+      out.store(c[done / 16] + done % 16 * 16, kSiluMul ? c_up[done / 16] + done % 16 * 16 : nullptr, done, nb);
+  }
+};
+
 // Up to 64 rows (MT row tiles, x zero-padded to MT * 16 rows): one column block at a time, each
-// weight tile (tile 6) loaded once and multiplied by every x tile (4 and 5 in turn) into C tiles 0..MT-1.
-template <int MT>
-inline void multiply_column_block(const c10::BFloat16* x, int64_t k, const uint16_t* b, float (*c)[16 * 16]) {
+// weight tile (tile 6) loaded once and multiplied by every x tile (4 and 5 in turn) into C tiles
+// 0..MT-1. Each k step also writes `per_step` rows of the previous block's output.
+template <int MT, bool kSiluMul>
+inline void multiply_column_block(const c10::BFloat16* x, int64_t k, const uint16_t* b, float (*c)[16 * 16],
+                                  PendingBlock<kSiluMul>& pending, const Output<kSiluMul>& out, int64_t per_step) {
   const int64_t x_stride = k * 2;
   _tile_zero(0);
   if (MT > 1) _tile_zero(1);
@@ -177,6 +196,7 @@ inline void multiply_column_block(const c10::BFloat16* x, int64_t k, const uint1
     if (MT > 1) { _tile_loadd(5, x + 16 * k + kk, x_stride); _tile_dpbf16ps(1, 5, 6); }
     if (MT > 2) { _tile_loadd(4, x + 32 * k + kk, x_stride); _tile_dpbf16ps(2, 4, 6); }
     if (MT > 3) { _tile_loadd(5, x + 48 * k + kk, x_stride); _tile_dpbf16ps(3, 5, 6); }
+    pending.write(out, pending.done + per_step);
   }
   _tile_stored(0, c[0], 64);
   if (MT > 1) _tile_stored(1, c[1], 64);
@@ -189,18 +209,25 @@ void amx_column_blocks(const c10::BFloat16* x, int64_t k, const uint16_t* w, con
                        int64_t n_blocks) {
   const int64_t kp = k / 2;
   constexpr int kStep = kSiluMul ? 2 : 1;  // a gate block and its up block together
+  // The previous block's m rows spread over this block's k / 32 (x kStep) steps.
+  const int64_t per_step = (m + kStep * (k / kTileK) - 1) / (kStep * (k / kTileK));
   parallel_chunks(n_blocks / kStep, chunk_items(kStep * kp * 64), [&](const auto& next) {
     configure_tiles();
-    alignas(64) float c[2][4][16 * 16];
+    alignas(64) float c[2][2][4][16 * 16];  // [double buffer][block, its up block][row tile]
+    PendingBlock<kSiluMul> pending;
+    int buf = 0;
     int64_t begin, end;
     while (next(begin, end)) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t nb = i * kStep;
-        multiply_column_block<MT>(x, k, w + nb * kp * 32, c[0]);
-        if (kSiluMul) multiply_column_block<MT>(x, k, w + (nb + 1) * kp * 32, c[1]);
-        for (int mt = 0; mt < MT; ++mt) store_tile(out, c[0][mt], kSiluMul ? c[1][mt] : nullptr, mt * 16, m, nb);
+        multiply_column_block<MT>(x, k, w + nb * kp * 32, c[buf][0], pending, out, per_step);
+        if (kSiluMul) multiply_column_block<MT>(x, k, w + (nb + 1) * kp * 32, c[buf][1], pending, out, per_step);
+        pending.write(out, m);  // whatever the steps left
+        pending = {c[buf][0], c[buf][1], nb, m, 0};
+        buf ^= 1;
       }
     }
+    pending.write(out, m);
     _tile_release();
   });
 }
