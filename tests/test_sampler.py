@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm.engine.request import Request
+from pagedllm.model_executor import sampler as sampler_module
 from pagedllm.model_executor.sampler import Sampler, _nucleus_coverage, _top_k_top_p, argmax_rows
 from pagedllm.sampling_params import SamplingParams
 
@@ -485,19 +486,37 @@ def test_penalties_shape_the_sampled_distribution() -> None:
     assert set(tokens) >= {1, 2, 3}
 
 
-@pytest.mark.parametrize("vocab", [50, 4096 + 7, 3 * 1024, 10_000])
+@pytest.mark.parametrize("path", ["kernel", "chunked"])
+@pytest.mark.parametrize("vocab", [5, 50, 4096 + 7, 3 * 1024, 10_000])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_rows_is_torch_argmax(vocab, dtype):
-    """The chunked argmax gives torch.argmax's answer, the first maximum included, with ties across
-    chunks, inside a chunk, in a short last chunk and on rows of -inf."""
+def test_argmax_rows_is_torch_argmax(vocab, dtype, path, monkeypatch):
+    """Both ways argmax_rows takes (cpu_kernels' one pass over contiguous rows, and the chunked amax
+    it falls back to) give torch.argmax's answer: the first maximum, with ties across chunks, inside a
+    chunk, across the kernel's 16 lanes (an earlier index in a later lane), in a short last chunk or
+    tail, -0.0 against 0.0, rows of -inf, NaN (counted as the maximum), and rows strided in memory."""
+    if path == "kernel":
+        assert sampler_module.fused_kernels(torch.empty(1)) is not None, "the C++ kernels must build here"
+    else:
+        monkeypatch.setattr(sampler_module, "fused_kernels", lambda x: None)
     torch.manual_seed(vocab)
-    x = torch.randn(9, vocab).round(decimals=1).to(dtype)  # coarse values: many ties
+    x = torch.randn(12, vocab).round(decimals=1).to(dtype)  # coarse values: many ties
     x[1] = 0.0
     x[2, [5 % vocab, (1024 * 2 + 5) % vocab]] = 50.0
     x[3, -1] = 50.0
     x[4, -3:] = 50.0
     x[5] = float("-inf")
-    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    x[6, [17 % vocab, 2 % vocab]] = 60.0  # lane 1 holds index 17, lane 2 index 2: the answer is 2
+    x[7] = -1.0
+    x[7, [3 % vocab, (vocab - 1)]] = torch.tensor([-0.0, 0.0], dtype=dtype)
+    x[8, [vocab // 2, vocab - 1]] = float("nan")
+    x[9, -1] = float("nan")
+    x[10, 0] = float("inf")
+    expected = x.argmax(dim=-1)
+    assert torch.equal(argmax_rows(x), expected)
+    wide = torch.full((12, vocab + 40), 99.0, dtype=dtype)
+    wide[:, 7:7 + vocab] = x
+    strided = wide[:, 7:7 + vocab]  # rows 40 apart in memory
+    assert torch.equal(argmax_rows(strided), expected)
 
 
 def test_sampler_leaves_the_callers_logits_alone():

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine.request import Request
+from pagedllm.model_executor.layers import fused_kernels
 from pagedllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -288,11 +289,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) (the first maximum of each row), for a (rows, vocab) tensor in either
     layout.
 
-    PyTorch's CPU argmax is a scalar loop, ~2 ns per element (20 ms for 64 x 152k logits); amax is
-    vectorised. So: the max of each 1024-wide chunk, the first chunk holding the row's max, then
-    argmax inside that chunk alone.
+    PyTorch's CPU argmax is a scalar loop, ~2 ns per element (20 ms for 64 x 152k logits). Rows laid
+    out contiguously go to cpu_kernels' one-pass argmax; otherwise amax, which is vectorised: the max
+    of each 1024-wide chunk, the first chunk holding the row's max, then argmax inside that chunk alone.
     """
     rows, vocab = x.shape
+    kernels = fused_kernels(x)
+    if kernels is not None and x.stride(-1) == 1 and rows > 0:
+        return kernels.argmax_rows(x)
     if vocab <= 4 * _CHUNK:
         return x.argmax(dim=-1)
     chunk = _chunk_reduce(x, torch.amax).argmax(dim=-1, keepdim=True)  # (rows, 1): the first chunk with the max

@@ -257,6 +257,20 @@ def test_kernels_refuse_indices_outside_their_tables():
         kernels.rotary_embedding(torch.zeros(2, 1, 8), torch.tensor([0, 10]), torch.zeros(10, 8), torch.zeros(10, 8))
 
 
+
+def test_argmax_kernel_refuses_what_it_cannot_read():
+    """The argmax kernel takes (rows, cols) float32 / bfloat16 with contiguous rows and says so."""
+    kernels = cpu_kernels()
+    assert kernels.argmax_rows(torch.tensor([[1.0, 3.0, 3.0]])).tolist() == [1]
+    with pytest.raises(RuntimeError, match="must be a float32 or bfloat16 CPU tensor"):
+        kernels.argmax_rows(torch.zeros(2, 3, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.argmax_rows(torch.zeros(3, 4).T)
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.argmax_rows(torch.zeros(2, 0))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        kernels.argmax_rows(torch.zeros(4))
+
 needs_amx = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().packed_linear_supported(),
                                reason="no AMX / AVX512-BF16 here: pack_linear_weights uses oneDNN (tested in test_layers)")
 

@@ -5,7 +5,8 @@ They do what PyTorch's ops can only do in several passes: decode attention read 
 paged KV cache (no gathered copy of K/V, one parallel loop instead of ~10 small kernels per layer),
 the decoder's elementwise steps fused (residual add + RMSNorm, SiLU * up, rotary embedding), bf16
 Linear layers over a weight packed once for AMX tiles and AVX512-BF16 dot products (packed_linear.cpp;
-on CPUs without them oneDNN's packed layout is used), and a GEMV that streams a plain bf16 weight.
+on CPUs without them oneDNN's packed layout is used), a GEMV that streams a plain bf16 weight, and
+greedy sampling's argmax over rows of logits.
 Every kernel has a PyTorch twin that is used when the kernels cannot be built (no C++ compiler, a GPU
 device) or are turned off with PAGEDLLM_CPU_KERNELS=0; tests check one against the other.
 """
@@ -24,10 +25,10 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _HEADER = "common.h"
-_SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp", "packed_linear.cpp")
+_SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp", "greedy.cpp", "packed_linear.cpp")
 _FUNCTIONS = ["paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "gemv_bf16",
               "packed_linear_supported", "pack_linear_weight", "packed_linear", "packed_linear_silu_mul",
-              "packed_embedding"]
+              "packed_embedding", "argmax_rows"]
 # -O3 with the reassociation that lets the compiler vectorise dot products (no -ffast-math: its
 # assumptions about infinities and NaN are not ours to make).
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
