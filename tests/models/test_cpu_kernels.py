@@ -50,7 +50,7 @@ def _run(attn, meta, q, k, v, use_kernel: bool, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (8, 8, 128), (6, 2, 32)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (8, 8, 128), (6, 2, 32), (16, 1, 96), (4, 2, 256), (4, 1, 80)])
 @pytest.mark.parametrize("block_size", [16, 12])
 def test_decode_kernel_matches_the_pytorch_path(dtype, tol, heads, kv_heads, head_dim, block_size, monkeypatch):
     assert cpu_kernels() is not None, "the C++ kernels must build on this machine (gcc and Python headers)"
