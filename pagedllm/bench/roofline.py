@@ -97,21 +97,37 @@ def measure_gemm_time(model, batch: int, repeats: int = 5) -> float:
     return _best_time(run, repeats)
 
 
+def sustained_rate(fn, work_per_call: float, window_s: float, clock=time.perf_counter) -> float:
+    """Work per second of fn() called back to back until window_s has passed (at least once)."""
+    calls, start = 0, clock()
+    while True:
+        fn()
+        calls += 1
+        elapsed = clock() - start
+        if elapsed >= window_s:
+            return calls * work_per_call / elapsed
+
+
 class MachineSampler:
     """Read bandwidth and matmul rate sampled again and again, the best kept. On a shared machine the
-    speed drifts (other tenants take cores and memory bandwidth for seconds at a time); sampling the
-    machine between the very steps being timed, and comparing best with best, keeps the two sides of
-    the ratio under the same conditions."""
+    speed drifts (other tenants take cores and memory bandwidth for seconds at a time, and leave gaps of
+    a few milliseconds); sampling the machine between the very steps being timed, and comparing best with
+    best, keeps the two sides of the ratio under the same conditions. The matmuls of a sample run back to
+    back for matmul_window_s, about one decode step: the rate compared with a step is one the machine held
+    for a step's length, not a gap a single ~10 ms matmul fell into."""
 
-    def __init__(self, dtype: torch.dtype, bandwidth_bytes: int, matmul_size: int = 2048) -> None:
+    def __init__(self, dtype: torch.dtype, bandwidth_bytes: int, matmul_size: int = 2048,
+                 matmul_window_s: float = 0.1) -> None:
         self.array = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
         self.a = torch.randn(matmul_size, matmul_size).to(dtype)
         self.b = torch.randn(matmul_size, matmul_size).to(dtype)
+        self.matmul_window_s = matmul_window_s
         self.bandwidth = self.matmul_rate = 0.0
 
     def sample(self) -> None:
         read = self.array.numel() * 4 / _best_time(lambda: self.array.sum(), 1)
-        rate = 2 * self.a.shape[0] ** 3 / _best_time(lambda: self.a @ self.b, 2)
+        self.a @ self.b  # warm-up: the step before left other data in the caches
+        rate = sustained_rate(lambda: self.a @ self.b, 2 * self.a.shape[0] ** 3, self.matmul_window_s)
         self.bandwidth, self.matmul_rate = max(self.bandwidth, read), max(self.matmul_rate, rate)
 
 
@@ -125,11 +141,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--bandwidth-bytes", default="1GiB")
+    p.add_argument("--matmul-window", type=float, default=0.1,
+                   help="seconds of back-to-back matmuls per sample of the matmul rate (about one decode step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     if any(b < 1 for b in args.batch_sizes) or args.steps < 1 or args.prompt_len < 1:
         raise ValueError("--batch-sizes, --steps and --prompt-len must be >= 1")
+    if not args.matmul_window > 0:
+        raise ValueError(f"--matmul-window must be > 0 seconds, got {args.matmul_window}")
 
     from pagedllm import LLM
     from pagedllm.engine.arg_utils import parse_size
@@ -142,13 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     weights = llm.llm_engine.runner.weight_bytes
     kv_tok = kv_bytes_per_token(cfg.hf_config, cfg.dtype)
     model = llm.llm_engine.runner.model
-    print("per row: read bandwidth and matmul rate are the best of samples taken before each timed step; "
-          "the step time is the best of --steps (median beside)")
+    print("per row: read bandwidth and matmul rate are the best of samples taken before each timed step "
+          f"(the matmul rate over {args.matmul_window:g} s of back-to-back matmuls); the step time is the best "
+          "of --steps (median beside)")
     print(f"{'batch':>5} {'GB/s':>5} {'GFLOP/s':>7} {'floor ms':>9} {'bound':>8} {'pagedllm ms':>12} {'median':>7} "
           f"{'ratio':>6} {'tok/s':>7} {'% matmul rate':>13} {'GEMMs alone ms':>15}")
     rows, bandwidth_bytes = [], parse_size(args.bandwidth_bytes)
     for b in args.batch_sizes:
-        machine = MachineSampler(cfg.dtype, bandwidth_bytes)
+        machine = MachineSampler(cfg.dtype, bandwidth_bytes, matmul_window_s=args.matmul_window)
         times = measure_decode_steps(llm, b, args.prompt_len, args.steps, args.seed, before_each=machine.sample)
         machine.sample()
         bandwidth, rate = machine.bandwidth, machine.matmul_rate

@@ -116,7 +116,8 @@ def test_roofline_runs_on_a_tiny_model_and_writes_every_field(tmp_path):
     model = make_tiny_model(tmp_path / "m", "llama")
     out = tmp_path / "roofline.json"
     assert roofline_main(["--model", str(model), "--dtype", "float32", "--batch-sizes", "1", "3", "--steps", "3",
-                          "--prompt-len", "8", "--bandwidth-bytes", "16MiB", "--output-json", str(out)]) == 0
+                          "--prompt-len", "8", "--bandwidth-bytes", "16MiB", "--matmul-window", "0.01",
+                          "--output-json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:
@@ -130,3 +131,23 @@ def test_roofline_refuses_bad_arguments():
 
     with pytest.raises(ValueError, match="must be >= 1"):
         roofline_main(["--batch-sizes", "0"])
+    with pytest.raises(ValueError, match="--matmul-window must be > 0 seconds, got 0.0"):
+        roofline_main(["--matmul-window", "0"])
+
+
+def test_sustained_rate_counts_every_call_in_the_window():
+    """The matmul rate of a roofline sample: calls run back to back until the window has passed, and the
+    rate is all their work over all their time (a fake clock that advances 0.03 s per call)."""
+    from pagedllm.bench.roofline import sustained_rate
+
+    now, calls = [0.0], []
+
+    def call():
+        calls.append(1)
+        now[0] += 0.03
+
+    assert sustained_rate(call, 6.0, 0.1, clock=lambda: now[0]) == pytest.approx(4 * 6.0 / 0.12)
+    assert len(calls) == 4
+    calls.clear()
+    assert sustained_rate(call, 6.0, 0.001, clock=lambda: now[0]) == pytest.approx(6.0 / 0.03)  # at least once
+    assert len(calls) == 1
