@@ -28,7 +28,9 @@ constexpr int64_t kTileK = 32;        // K elements per tile (64 bytes of bf16)
 constexpr int64_t kDotMaxRows = 4;    // up to this many rows the AVX-512 dot product path runs
 constexpr int64_t kRowBand = 256;     // rows per band (their x tiles stay in L2) beyond 64 rows
 constexpr int64_t kPrefetchTiles = 4; // how far ahead weight tiles are prefetched
-constexpr int64_t kChunkBytes = 128 << 10;  // weight bytes per chunk of work handed to a thread
+constexpr int64_t kChunkBytes = 512 << 10;  // weight bytes per chunk of work handed to a thread (longer
+                                            // runs stream faster: 6 Linears + LM head at 64 rows, 473 vs
+                                            // 443 GFLOP/s against 128 KB chunks; 1 MB 481, 256 KB 461)
 
 // Items per chunk when each item reads `item_bytes` of the weight.
 inline int64_t chunk_items(int64_t item_bytes) { return std::max<int64_t>(1, kChunkBytes / item_bytes); }
