@@ -20,6 +20,7 @@ typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 
 inline f32x16 load16(const float* p) {
@@ -89,7 +90,7 @@ inline f32x16 exp16(f32x16 x) {
   const auto overflow = x > 88.72283935546875f;  // past log(FLT_MAX): +inf, as expf gives
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
-  const f32x16 k = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + 0.5f - (x < 0.f ? 1.f : 0.f), int32_t __attribute__((vector_size(64)))), f32x16);
+  const f32x16 k = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + 0.5f - (x < 0.f ? 1.f : 0.f), i32x16), f32x16);
   const f32x16 r = (x - k * 0.693359375f) + k * 2.12194440e-4f;
   f32x16 p = f32x16{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -98,7 +99,6 @@ inline f32x16 exp16(f32x16 x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
   const i32x16 bits = (__builtin_convertvector(k, i32x16) + 127) << 23;
   f32x16 scale;
   std::memcpy(&scale, &bits, sizeof scale);

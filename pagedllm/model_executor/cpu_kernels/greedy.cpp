@@ -5,8 +5,6 @@
 
 namespace {
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
 // The index of the first maximum of row[0 .. cols), NaN counting as larger than any number (as
 // torch.argmax): the first NaN if there is one.
 template <typename T>
