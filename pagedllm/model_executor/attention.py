@@ -76,10 +76,10 @@ class PagedAttention(nn.Module):
         meta = _metadata
         if meta is None or self.k_cache is None:
             raise RuntimeError("PagedAttention needs a bound KV cache and a forward_context")
-        write_kv(self.k_cache, meta.slot_mapping, k, self.k_scale)
-        write_kv(self.v_cache, meta.slot_mapping, v, self.v_scale)
-        out = torch.empty_like(q)
+        self._write_kv(meta.slot_mapping, k, v)
         kernel = self._decode_kernel(q)
+        # A group that covers the step returns its own output: no tensor to scatter into.
+        out = None if meta.groups and meta.groups[0].covers_step else torch.empty_like(q)
         for g in meta.groups:
             if g.is_decode and kernel is not None:
                 # Straight from the cache through the block tables: no gathered copy of K/V.
@@ -106,6 +106,18 @@ class PagedAttention(nn.Module):
             og = og.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)  # (B * max_q, heads, dim)
             out[g.dest_index] = og[g.src_index]
         return out
+
+    def _write_kv(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's K/V into the cache: on CPU with the cache in their dtype, one native call for both
+        (batch 64, Qwen2.5-0.5B shapes: 14 us against 56 us for two index_copy_ calls, per layer);
+        otherwise write_kv (an fp8 cache quantizes)."""
+        if k.device.type == "cpu" and self.k_cache.dtype == k.dtype == v.dtype:
+            kernels = cpu_kernels()
+            if kernels is not None:
+                kernels.write_kv_cache(self.k_cache, self.v_cache, slots, k, v)
+                return
+        write_kv(self.k_cache, slots, k, self.k_scale)
+        write_kv(self.v_cache, slots, v, self.v_scale)
 
     def _decode_kernel(self, q: torch.Tensor):
         """The native decode-attention kernel where it applies (a CPU cache in the query's dtype, a head
@@ -171,9 +183,8 @@ def build_attention_metadata(
     start = torch.tensor(starts, dtype=torch.long)
     offsets = torch.cumsum(lens, 0) - lens  # flat index of each request's first token
     max_blocks = max(len(t) for t in block_tables)
-    table = torch.zeros((num_reqs, max_blocks), dtype=torch.long)
-    for i, t in enumerate(block_tables):
-        table[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    # One tensor from padded lists (64 tables: ~0.1 ms; a row assignment per request took ~0.8 ms).
+    table = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
 
     req_of_token = torch.repeat_interleave(torch.arange(num_reqs), lens)
     positions = torch.arange(int(lens.sum())) - offsets[req_of_token] + start[req_of_token]

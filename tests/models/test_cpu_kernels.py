@@ -258,6 +258,44 @@ def test_kernels_refuse_indices_outside_their_tables():
 
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_write_kernel_is_index_copy_along_slots(dtype):
+    """write_kv_cache stores K and V rows where write_kv's index_copy_ does, from strided views of a QKV
+    product (as the attention layer passes them), and touches no other slot."""
+    from pagedllm.model_executor.kv_quant import write_kv
+    kernels = cpu_kernels()
+    gen = torch.Generator().manual_seed(0)
+    tokens, kv_heads, dim, slots_total = 37, 2, 64, 300
+    qkv = torch.randn(tokens, (14 + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    k = qkv[:, 14 * dim:(14 + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (14 + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    slots = torch.randperm(slots_total, generator=gen)[:tokens]
+    cache = torch.randn(2, kv_heads, slots_total, dim, generator=gen).to(dtype)
+    expected = cache.clone()
+    write_kv(expected[0], slots, k, 1.0)
+    write_kv(expected[1], slots, v, 1.0)
+    kernels.write_kv_cache(cache[0], cache[1], slots, k, v)
+    assert torch.equal(cache, expected)
+    assert not torch.equal(cache[0][:, slots], torch.zeros_like(cache[0][:, slots]))
+
+
+def test_kv_write_kernel_refuses_what_it_cannot_store():
+    kernels = cpu_kernels()
+    cache = torch.zeros(2, 2, 32, 64)
+    k = torch.ones(3, 2, 64)
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        kernels.write_kv_cache(cache[0], cache[1], torch.tensor([0, 5, 32]), k, k)
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        kernels.write_kv_cache(cache[0], cache[1], torch.tensor([0, -1, 2]), k, k)
+    assert torch.equal(cache, torch.zeros_like(cache)), "a refused write stores nothing"
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        kernels.write_kv_cache(cache[0], cache[1], torch.tensor([0, 1, 2]), k.bfloat16(), k.bfloat16())
+    with pytest.raises(RuntimeError, match="int64"):
+        kernels.write_kv_cache(cache[0], cache[1], torch.tensor([0, 1, 2], dtype=torch.int32), k, k)
+    with pytest.raises(RuntimeError, match="kv_heads, dim"):
+        kernels.write_kv_cache(cache[0], cache[1], torch.tensor([0, 1, 2]), torch.ones(3, 4, 64), torch.ones(3, 4, 64))
+
+
 def test_argmax_kernel_refuses_what_it_cannot_read():
     """The argmax kernel takes (rows, cols) float32 / bfloat16 with contiguous rows and says so."""
     kernels = cpu_kernels()

@@ -2,7 +2,8 @@
 extension builder) and cached on disk, so later processes load them in well under a second.
 
 They do what PyTorch's ops can only do in several passes: decode attention read straight from the
-paged KV cache (no gathered copy of K/V, one parallel loop instead of ~10 small kernels per layer),
+paged KV cache (no gathered copy of K/V, one parallel loop instead of ~10 small kernels per layer)
+and the step's K/V rows written into it,
 the decoder's elementwise steps fused (residual add + RMSNorm, SiLU * up, rotary embedding), bf16
 Linear layers over a weight packed once for AMX tiles and AVX512-BF16 dot products (packed_linear.cpp;
 on CPUs without them oneDNN's packed layout is used), a GEMV that streams a plain bf16 weight, and
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 _HEADER = "common.h"
 _SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp", "greedy.cpp", "packed_linear.cpp")
-_FUNCTIONS = ["paged_decode_attention", "rms_norm", "silu_and_mul", "rotary_embedding", "gemv_bf16",
+_FUNCTIONS = ["paged_decode_attention", "write_kv_cache", "rms_norm", "silu_and_mul", "rotary_embedding", "gemv_bf16",
               "packed_linear_supported", "pack_linear_weight", "packed_linear", "packed_linear_silu_mul",
               "packed_embedding", "argmax_rows"]
 # -O3 with the reassociation that lets the compiler vectorise dot products (no -ffast-math: its

@@ -188,3 +188,37 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   return out;
 }
+
+// Stores this step's keys and values into the head-major caches: k, v (tokens, kv_heads, dim), rows
+// contiguous (strided views of the QKV product are fine); k_cache, v_cache (kv_heads, slots, dim) in
+// the same dtype; slots (tokens,) int64. One row copy per token and head: what index_copy_ along the
+// slot dimension does, without its per-call set-up (two calls per layer per step).
+void write_kv_cache(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+                    const at::Tensor& v) {
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.dim() == 3 && k.dim() == 3 && v.dim() == 3, "caches and k, v must be 3-D");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "CPU tensors only");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k, v and the caches must share one dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k.sizes() == v.sizes(), "K and V alike");
+  TORCH_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(2), "k is (tokens, kv_heads, dim) of the cache");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
+              "rows must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0) && slots.is_contiguous(),
+              "slots must be a contiguous int64 (tokens,) vector");
+  const int64_t tokens = k.size(0), heads = k.size(1), num_slots = k_cache.size(1);
+  const int64_t row_bytes = k.size(2) * k.element_size();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is outside the KV cache (", num_slots, " slots)");
+  const int64_t elt = k.element_size();
+  for (const auto& [src, dst] : {std::pair<const at::Tensor*, at::Tensor*>{&k, &k_cache}, {&v, &v_cache}}) {
+    const char* s = static_cast<const char*>(src->data_ptr());
+    char* d = static_cast<char*>(dst->data_ptr());
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(d + (h * dst->stride(0) + slot[t] * dst->stride(1)) * elt,
+                    s + (t * src->stride(0) + h * src->stride(1)) * elt, row_bytes);
+  }
+}
