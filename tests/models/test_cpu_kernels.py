@@ -1,6 +1,7 @@
 """The native CPU decode-attention kernel against its PyTorch twin (gathered K/V, batched matmuls),
 on paged caches with scattered blocks, GQA, ragged lengths and block sizes with and without a
-power of two; and the fallbacks when the kernel cannot be had."""
+power of two (in bfloat16, 16-slot blocks take the AMX score path where the CPU has it, 12-slot ones
+the vector path); and the fallbacks when the kernel cannot be had."""
 from __future__ import annotations
 
 import logging
@@ -69,6 +70,27 @@ def test_decode_kernel_matches_the_pytorch_path(dtype, tol, heads, kv_heads, hea
     twin = _run(attn, meta, q, k, v, False, monkeypatch)
     assert ours.dtype == dtype and ours.shape == (n, heads, head_dim)
     torch.testing.assert_close(ours.float(), twin.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_kernel_ignores_what_lies_past_the_last_key(head_dim):
+    """In bfloat16 with 16-slot blocks the scores are taken 16 keys at a time from the block (the AMX
+    path on CPUs that have it): slots past a sequence's last key hold whatever the pool held, NaN or
+    inf included, and must not reach the output."""
+    kernels = cpu_kernels()
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, bs = 14, 2, 16
+    k_cache = torch.randn(kv_heads, 8 * bs, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(kv_heads, 8 * bs, head_dim, generator=gen).bfloat16()
+    table, lens = torch.tensor([[5, 2], [7, 0]]), torch.tensor([21, 16])
+    q = torch.randn(2, heads, head_dim, generator=gen).bfloat16()
+    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs)
+    k_cache[:, 2 * bs + 5:3 * bs] = float("nan")  # block 2 after the 21st key of sequence 0
+    v_cache[:, 2 * bs + 5:3 * bs] = float("inf")
+    k_cache[:, 0:bs] = float("nan")  # block 0: sequence 1's second block, beyond its 16 keys
+    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs)
+    assert torch.isfinite(dirty.float()).all()
+    assert torch.equal(dirty, clean)
 
 
 def test_decode_kernel_in_a_step_with_prefill_chunks(monkeypatch):

@@ -12,6 +12,17 @@
 #include <limits>
 #include <vector>
 
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// AMX tiles and AVX512-BF16 dot products where this build's -march=native has them.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PAGEDLLM_HAS_AMX 1
+#else
+#define PAGEDLLM_HAS_AMX 0
+#endif
+
 namespace {
 
 // 16 floats as one value (one AVX-512 register, two AVX2 ones): GCC's vector extensions, so the same
@@ -145,5 +156,34 @@ inline f32x16 round_to(f32x16 v, c10::Half) {
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
+
+#if PAGEDLLM_HAS_AMX
+// AMX tile set-up shared by packed_linear.cpp and decode_attention.cpp.
+bool request_amx() {
+  // Linux hands out the 8 KB tile register state only to processes that ask for it.
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile the kernels use is 16 rows x 64 bytes: C tiles (16 x 16 fp32), bf16 operand tiles
+// (16 rows x 32 values, or 16 K pairs x 16 columns x 2).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+#endif  // PAGEDLLM_HAS_AMX
 
 }  // namespace

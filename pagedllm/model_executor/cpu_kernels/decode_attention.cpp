@@ -3,9 +3,41 @@
 // head), one item at a time to whichever thread is free; the query heads that share a KV head (GQA)
 // read each key and value row once.
 // Scores, softmax and the weighted sum of values are computed in float32; the output is rounded once.
+// In bfloat16 on a CPU with AMX (block sizes that are multiples of 16, head sizes of 32), the scores
+// take the matrix unit: each 16 keys of a block are one tile read straight from the cache, multiplied
+// by the group's queries laid out as the VNNI operand; the products are exact in float32, the sums
+// in another order than the vector path's.
 #include "common.h"
 
+#include <type_traits>
+
 namespace {
+
+#if PAGEDLLM_HAS_AMX
+// The group's queries as TDPBF16PS's second operand: chunk c of 32 dims is 16 rows (dim pairs) x 16
+// columns (query heads) x 2; heads past the group stay 0. qt holds NC / 2 such 1 KB tiles.
+template <int NC>
+void queries_as_tiles(const c10::BFloat16* q, int64_t q_head, int64_t group, uint32_t (*qt)[16][16]) {
+  std::memset(qt, 0, NC / 2 * sizeof(*qt));
+  for (int64_t g = 0; g < group; ++g) {
+    const auto* pairs = reinterpret_cast<const uint32_t*>(q + g * q_head);  // one dim pair per word
+    for (int i = 0; i < NC * 8; ++i) qt[i / 16][i % 16][g] = pairs[i];
+  }
+}
+
+// 16 keys' scores against every head of the group: scores[j * 16 + g] = k_j . q_g, k_j the rows at
+// key (16 consecutive slots from `keys`, rows `k_slot` elements apart).
+template <int NC>
+inline void score_tile(const c10::BFloat16* keys, int64_t k_slot, const uint32_t (*qt)[16][16], float* scores) {
+  _tile_zero(0);
+  for (int c = 0; c < NC / 2; ++c) {
+    _tile_loadd(1, keys + 32 * c, k_slot * 2);
+    _tile_loadd(2, qt[c], 64);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, scores, 64);
+}
+#endif
 
 // NC: head_dim / 16, a constant so a key or value row stays in registers.
 template <typename T, int NC>
@@ -34,9 +66,20 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(bytes + off, 0, 3);
   };
 
+#if PAGEDLLM_HAS_AMX
+  const bool use_amx = std::is_same_v<T, c10::BFloat16> && NC % 2 == 0 && group <= 16 && block_size % 16 == 0 &&
+                       request_amx();
+#else
+  constexpr bool use_amx = false;
+#endif
+
   parallel_chunks(num_seqs * num_kv_heads, 1, [&](const auto& next) {
     std::vector<f32x16> query(group * NC), acc(group * NC), tile(16 * NC);
     std::vector<float> scores, inv_total(group), row_max(group);
+#if PAGEDLLM_HAS_AMX
+    alignas(64) uint32_t qt[NC / 2 > 0 ? NC / 2 : 1][16][16];
+    if (use_amx) configure_tiles();
+#endif
     int64_t first, end;
     while (next(first, end)) for (int64_t item = first; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
@@ -48,58 +91,88 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
                           : blocks[s / block_size] * block_size + s % block_size;
       };
       const int64_t padded = (n + 15) / 16 * 16;
-      scores.resize(group * padded);
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_data + seq * q_seq + (kv * group + g) * q_head;
-        for (int c = 0; c < NC; ++c) query[g * NC + c] = load16(src + 16 * c) * fscale;
-      }
-      // Scores, 16 keys at a time: their rows are converted once into a float tile (L1-resident), then
-      // each query head of the group takes 16 dot products, reduced together by sum16x16.
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
       const T* k_base = k_data + kv * k_head;
-      for (int64_t s0 = 0; s0 < n; s0 += 16) {
-        const int keys = static_cast<int>(std::min<int64_t>(16, n - s0));
-        // Rows two tiles ahead sit in other blocks, anywhere in the pool: start loading them now (the
-        // hardware prefetcher only follows the block it is in). 64 x 2048 keys: 13.4 -> 8.5 ms.
-        for (int64_t s = s0 == 0 ? 16 : s0 + 32; s < std::min<int64_t>(s0 + 48, n); ++s) {
-          prefetch_row(k_base + slot_of(s) * k_slot);
-        }
-        for (int j = 0; j < keys; ++j) {
-          const T* src = k_base + slot_of(s0 + j) * k_slot;
-          for (int c = 0; c < NC; ++c) tile[j * NC + c] = load16(src + 16 * c);
-        }
-        for (int j = keys; j < 16; ++j) {
-          for (int c = 0; c < NC; ++c) tile[j * NC + c] = f32x16{};
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const f32x16* qg = query.data() + g * NC;
-          f32x16 dots[16];
-          for (int j = 0; j < 16; ++j) {
-            f32x16 dot = qg[0] * tile[j * NC];
-            for (int c = 1; c < NC; ++c) dot += qg[c] * tile[j * NC + c];
-            dots[j] = dot;
+      // probs[g * p_head + s * p_key]: head g's softmax numerator for key s (inv_total[g] normalises).
+      int64_t p_head = padded, p_key = 1;
+#if PAGEDLLM_HAS_AMX
+      if constexpr (std::is_same_v<T, c10::BFloat16>) if (use_amx) {
+        scores.resize(padded * 16);  // key-major: 16 lanes = the group's heads
+        queries_as_tiles<NC>(q_data + seq * q_seq + kv * group * q_head, q_head, group, qt);
+        for (int64_t s0 = 0; s0 < n; s0 += 16) {
+          for (int64_t s = s0 == 0 ? 16 : s0 + 32; s < std::min<int64_t>(s0 + 48, n); ++s) {
+            prefetch_row(k_base + slot_of(s) * k_slot);
           }
-          f32x16 block = sum16x16(dots);
-          for (int j = keys; j < 16; ++j) block[j] = -std::numeric_limits<float>::infinity();  // past the last key
-          std::memcpy(scores.data() + g * padded + s0, &block, sizeof block);
-          float mx = row_max[g];
-          for (int j = 0; j < keys; ++j) mx = std::max(mx, block[j]);
-          row_max[g] = mx;
+          score_tile<NC>(k_base + slot_of(s0) * k_slot, k_slot, qt, scores.data() + s0 * 16);
         }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * padded;
-        const float mx = row_max[g];
-        f32x16 sum{};
-        for (int64_t s = 0; s < padded; s += 16) {
-          f32x16 e = exp16(load16(sg + s) - mx);
-          if (s + 16 > n) {
-            for (int64_t i = n - s; i < 16; ++i) e[i] = 0.f;  // past the last key
-          }
-          std::memcpy(sg + s, &e, sizeof e);
+        f32x16 mx = f32x16{} - std::numeric_limits<float>::infinity(), sum{};
+        for (int64_t s = 0; s < n; ++s) {
+          const f32x16 v = load16(scores.data() + s * 16) * fscale;
+          store16(scores.data() + s * 16, v);
+          mx = v > mx ? v : mx;
+        }
+        for (int64_t s = 0; s < n; ++s) {
+          const f32x16 e = exp16(load16(scores.data() + s * 16) - mx);
+          store16(scores.data() + s * 16, e);
           sum += e;
         }
-        inv_total[g] = 1.f / sum16(sum);
+        for (int64_t g = 0; g < group; ++g) inv_total[g] = 1.f / sum[g];
+        p_head = 1;
+        p_key = 16;
+      }
+#endif
+      if (p_key == 1) {  // the vector path (no AMX, other dtypes and shapes)
+        scores.resize(group * padded);
+        for (int64_t g = 0; g < group; ++g) {
+          const T* src = q_data + seq * q_seq + (kv * group + g) * q_head;
+          for (int c = 0; c < NC; ++c) query[g * NC + c] = load16(src + 16 * c) * fscale;
+        }
+        // Scores, 16 keys at a time: their rows are converted once into a float tile (L1-resident), then
+        // each query head of the group takes 16 dot products, reduced together by sum16x16.
+        std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+        for (int64_t s0 = 0; s0 < n; s0 += 16) {
+          const int keys = static_cast<int>(std::min<int64_t>(16, n - s0));
+          // Rows two tiles ahead sit in other blocks, anywhere in the pool: start loading them now (the
+          // hardware prefetcher only follows the block it is in). 64 x 2048 keys: 13.4 -> 8.5 ms.
+          for (int64_t s = s0 == 0 ? 16 : s0 + 32; s < std::min<int64_t>(s0 + 48, n); ++s) {
+            prefetch_row(k_base + slot_of(s) * k_slot);
+          }
+          for (int j = 0; j < keys; ++j) {
+            const T* src = k_base + slot_of(s0 + j) * k_slot;
+            for (int c = 0; c < NC; ++c) tile[j * NC + c] = load16(src + 16 * c);
+          }
+          for (int j = keys; j < 16; ++j) {
+            for (int c = 0; c < NC; ++c) tile[j * NC + c] = f32x16{};
+          }
+          for (int64_t g = 0; g < group; ++g) {
+            const f32x16* qg = query.data() + g * NC;
+            f32x16 dots[16];
+            for (int j = 0; j < 16; ++j) {
+              f32x16 dot = qg[0] * tile[j * NC];
+              for (int c = 1; c < NC; ++c) dot += qg[c] * tile[j * NC + c];
+              dots[j] = dot;
+            }
+            f32x16 block = sum16x16(dots);
+            for (int j = keys; j < 16; ++j) block[j] = -std::numeric_limits<float>::infinity();  // past the last key
+            std::memcpy(scores.data() + g * padded + s0, &block, sizeof block);
+            float mx = row_max[g];
+            for (int j = 0; j < keys; ++j) mx = std::max(mx, block[j]);
+            row_max[g] = mx;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * padded;
+          const float mx = row_max[g];
+          f32x16 sum{};
+          for (int64_t s = 0; s < padded; s += 16) {
+            f32x16 e = exp16(load16(sg + s) - mx);
+            if (s + 16 > n) {
+              for (int64_t i = n - s; i < 16; ++i) e[i] = 0.f;  // past the last key
+            }
+            std::memcpy(sg + s, &e, sizeof e);
+            sum += e;
+          }
+          inv_total[g] = 1.f / sum16(sum);
+        }
       }
       // Weighted sum of values, each value row read once.
       for (auto& a : acc) a = f32x16{};
@@ -111,7 +184,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         f32x16 row[NC];
         for (int c = 0; c < NC; ++c) row[c] = load16(src + 16 * c);
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * padded + s];
+          const float p = scores[g * p_head + s * p_key];
           f32x16* ag = acc.data() + g * NC;
           for (int c = 0; c < NC; ++c) ag[c] += p * row[c];
         }
@@ -122,6 +195,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         for (int c = 0; c < NC; ++c) store16(dst + 16 * c, ag[c] * inv_total[g]);
       }
     }
+#if PAGEDLLM_HAS_AMX
+    if (use_amx) _tile_release();
+#endif
   });
 }
 
@@ -202,16 +278,19 @@ void write_kv_cache(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& 
                   k_cache.scalar_type() == v_cache.scalar_type(),
               "k, v and the caches must share one dtype");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k.sizes() == v.sizes(), "K and V alike");
-  TORCH_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(2), "k is (tokens, kv_heads, dim) of the cache");
+  TORCH_CHECK(k.size(1) == k_cache.size(0) && k.size(2) == k_cache.size(2),
+              "k is (tokens, kv_heads, dim) of the cache");
   TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1,
               "rows must be contiguous");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0) && slots.is_contiguous(),
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0) &&
+                  slots.is_contiguous(),
               "slots must be a contiguous int64 (tokens,) vector");
   const int64_t tokens = k.size(0), heads = k.size(1), num_slots = k_cache.size(1);
   const int64_t row_bytes = k.size(2) * k.element_size();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is outside the KV cache (", num_slots, " slots)");
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "slot ", slot[t], " is outside the KV cache (", num_slots,
+                " slots)");
   const int64_t elt = k.element_size();
   for (const auto& [src, dst] : {std::pair<const at::Tensor*, at::Tensor*>{&k, &k_cache}, {&v, &v_cache}}) {
     const char* s = static_cast<const char*>(src->data_ptr());

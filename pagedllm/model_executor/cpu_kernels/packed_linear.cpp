@@ -11,15 +11,7 @@
 //     multiplied by each weight tile as it arrives (the weight is read once); beyond that, 32 x 32
 //     output blocks over row bands that stay in cache.
 // The embedding of a tied LM head reads its rows back out of the same packed weight.
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PAGEDLLM_HAS_AMX 1
-#else
-#define PAGEDLLM_HAS_AMX 0
-#endif
+#include "common.h"
 
 namespace {
 
@@ -36,32 +28,6 @@ constexpr int64_t kChunkBytes = 512 << 10;  // weight bytes per chunk of work ha
 inline int64_t chunk_items(int64_t item_bytes) { return std::max<int64_t>(1, kChunkBytes / item_bytes); }
 
 #if PAGEDLLM_HAS_AMX
-
-bool request_amx() {
-  // Linux hands out the 8 KB tile register state only to processes that ask for it.
-  static const bool granted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every tile used here is 16 rows x 64 bytes: C tiles (16 x 16 fp32), x tiles (16 rows x 32 bf16),
-// weight tiles (16 K pairs x 16 columns x 2).
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 inline void prefetch_weight_tile(const uint16_t* tile) {
   const char* p = reinterpret_cast<const char*>(tile);
