@@ -3,7 +3,7 @@
 // head), one item at a time to whichever thread is free; the query heads that share a KV head (GQA)
 // read each key and value row once.
 // Scores, softmax and the weighted sum of values are computed in float32; the output is rounded once.
-// In bfloat16 on a CPU with AMX (block sizes that are multiples of 16, head sizes of 32), the scores
+// In bfloat16 on a CPU with AMX (block size a multiple of 16, head size a multiple of 32), the scores
 // take the matrix unit: each 16 keys of a block are one tile read straight from the cache, multiplied
 // by the group's queries laid out as the VNNI operand; the products are exact in float32, the sums
 // in another order than the vector path's.
@@ -25,8 +25,8 @@ void queries_as_tiles(const c10::BFloat16* q, int64_t q_head, int64_t group, uin
   }
 }
 
-// 16 keys' scores against every head of the group: scores[j * 16 + g] = k_j . q_g, k_j the rows at
-// key (16 consecutive slots from `keys`, rows `k_slot` elements apart).
+// 16 keys' scores against every head of the group: scores[j * 16 + g] = k_j . q_g, where k_j is the
+// j-th of 16 consecutive cache rows from `keys` (rows `k_slot` elements apart).
 template <int NC>
 inline void score_tile(const c10::BFloat16* keys, int64_t k_slot, const uint32_t (*qt)[16][16], float* scores) {
   _tile_zero(0);
