@@ -141,9 +141,37 @@ struct PendingBlock {
   void write(const Output<kSiluMul>& out, int64_t upto) {
     if (nb < 0) return;
     for (upto = std::min(upto, rows); done < upto; ++done)
-      out.store(c[done / 16] + done % 16 * 16, kSiluMul ? c_up[done / 16] + done % 16 * 16 : nullptr, row0 + done, nb);
+      out.store(c[done / 16] + done % 16 * 16, kSiluMul ? c_up[done / 16] + done % 16 * 16 : nullptr, row0 + done,
+                nb);
   }
 };
+
+// One 32 x 32 output block over all of k into C tiles 0-3 (0 / 1: the 16 rows at a0 times column
+// blocks b0 / b1; 2 / 3: the next 16 rows), x tiles 4-5, weight tiles 6-7. `from_memory` prefetches
+// the weight ahead; `each_step()` runs after every k step.
+template <typename Step>
+inline void multiply_32x32(const c10::BFloat16* a0, int64_t k, const uint16_t* b0, const uint16_t* b1, bool two_rows,
+                           bool two_cols, bool from_memory, const Step& each_step) {
+  const int64_t x_stride = k * 2;
+  const c10::BFloat16* a1 = a0 + 16 * k;
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t kk = 0; kk < k; kk += kTileK) {
+    if (from_memory) {
+      prefetch_weight_tile(b0 + (kk + kPrefetchTiles * kTileK) * 16);
+      if (two_cols) prefetch_weight_tile(b1 + (kk + kPrefetchTiles * kTileK) * 16);
+    }
+    _tile_loadd(6, b0 + kk * 16, 64);
+    _tile_loadd(4, a0 + kk, x_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two_cols) { _tile_loadd(7, b1 + kk * 16, 64); _tile_dpbf16ps(1, 4, 7); }
+    if (two_rows) {
+      _tile_loadd(5, a1 + kk, x_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (two_cols) _tile_dpbf16ps(3, 5, 7);
+    }
+    each_step();
+  }
+}
 
 // 33-64 rows: 32 x 32 output blocks (2 row tiles x a pair of column blocks, one tile load per multiply
 // where one row tile per column block needs 1.25), two row passes over each pair (the second reads the
@@ -152,7 +180,7 @@ struct PendingBlock {
 template <bool kSiluMul>
 void amx_pairs(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint16_t* w, const Output<kSiluMul>& out,
                int64_t m, int64_t n_blocks) {
-  const int64_t kp = k / 2, x_stride = k * 2, steps = k / kTileK;
+  const int64_t kp = k / 2, steps = k / kTileK;
   const int64_t n_pairs = (n_blocks + 1) / 2;
   const int64_t per_step = (32 + steps - 1) / steps;
   parallel_chunks(n_pairs, chunk_items(2 * kp * 64), [&](const auto& next) {
@@ -173,25 +201,7 @@ void amx_pairs(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint16_t*
         const uint16_t* b1 = b0 + kp * 32;
         for (int64_t m0 = 0; m0 < m_pad; m0 += 32) {
           const bool two_rows = m0 + 16 < m_pad;
-          const c10::BFloat16* a0 = x + m0 * k;
-          const c10::BFloat16* a1 = a0 + 16 * k;
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-          for (int64_t kk = 0; kk < k; kk += kTileK) {
-            if (m0 == 0) {
-              prefetch_weight_tile(b0 + (kk + kPrefetchTiles * kTileK) * 16);
-              if (two_cols) prefetch_weight_tile(b1 + (kk + kPrefetchTiles * kTileK) * 16);
-            }
-            _tile_loadd(6, b0 + kk * 16, 64);
-            _tile_loadd(4, a0 + kk, x_stride);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two_cols) { _tile_loadd(7, b1 + kk * 16, 64); _tile_dpbf16ps(1, 4, 7); }
-            if (two_rows) {
-              _tile_loadd(5, a1 + kk, x_stride);
-              _tile_dpbf16ps(2, 5, 6);
-              if (two_cols) _tile_dpbf16ps(3, 5, 7);
-            }
-            write_some(per_step);
-          }
+          multiply_32x32(x + m0 * k, k, b0, b1, two_rows, two_cols, m0 == 0, [&] { write_some(per_step); });
           _tile_stored(0, c[buf][0][0], 64); _tile_stored(1, c[buf][1][0], 64);
           _tile_stored(2, c[buf][0][1], 64); _tile_stored(3, c[buf][1][1], 64);
           write_some(64);
@@ -200,7 +210,8 @@ void amx_pairs(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint16_t*
             pend[0] = {c[buf][0], c[buf][1], nb0, rows, 0, m0};
           } else {
             pend[0] = {c[buf][0], nullptr, nb0, rows, 0, m0};
-            pend[1] = two_cols ? PendingBlock<kSiluMul>{c[buf][1], nullptr, nb0 + 1, rows, 0, m0} : PendingBlock<kSiluMul>{};
+            pend[1] = two_cols ? PendingBlock<kSiluMul>{c[buf][1], nullptr, nb0 + 1, rows, 0, m0}
+                               : PendingBlock<kSiluMul>{};
           }
           buf ^= 1;
         }
@@ -273,7 +284,7 @@ void amx_column_blocks(const c10::BFloat16* x, int64_t k, const uint16_t* w, con
 template <bool kSiluMul>
 void amx_row_bands(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint16_t* w, const Output<kSiluMul>& out,
                    int64_t m, int64_t n_blocks) {
-  const int64_t kp = k / 2, x_stride = k * 2;
+  const int64_t kp = k / 2;
   const int64_t n_pairs = (n_blocks + 1) / 2, n_bands = (m_pad + kRowBand - 1) / kRowBand;
   parallel_chunks(n_bands * n_pairs, chunk_items(2 * kp * 64), [&](const auto& next) {
     configure_tiles();
@@ -289,24 +300,8 @@ void amx_row_bands(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint1
         const uint16_t* b1 = b0 + kp * 32;
         for (int64_t m0 = band; m0 < band_end; m0 += 32) {
           const bool two_rows = m0 + 16 < band_end;
-          const c10::BFloat16* a0 = x + m0 * k;
-          const c10::BFloat16* a1 = a0 + 16 * k;
-          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-          for (int64_t kk = 0; kk < k; kk += kTileK) {
-            if (m0 == band) {  // the first pass over these columns reads them from memory
-              prefetch_weight_tile(b0 + (kk + kPrefetchTiles * kTileK) * 16);
-              if (two_cols) prefetch_weight_tile(b1 + (kk + kPrefetchTiles * kTileK) * 16);
-            }
-            _tile_loadd(6, b0 + kk * 16, 64);
-            _tile_loadd(4, a0 + kk, x_stride);
-            _tile_dpbf16ps(0, 4, 6);
-            if (two_cols) { _tile_loadd(7, b1 + kk * 16, 64); _tile_dpbf16ps(1, 4, 7); }
-            if (two_rows) {
-              _tile_loadd(5, a1 + kk, x_stride);
-              _tile_dpbf16ps(2, 5, 6);
-              if (two_cols) _tile_dpbf16ps(3, 5, 7);
-            }
-          }
+          // The first pass over these columns reads them from memory.
+          multiply_32x32(x + m0 * k, k, b0, b1, two_rows, two_cols, m0 == band, [] {});
           _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64);
           _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
           if (kSiluMul) {  // (nb0, nb0 + 1) is a gate block and its up block
