@@ -224,29 +224,23 @@ void amx_pairs(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint16_t*
 
 // Up to 32 rows (MT row tiles, x zero-padded to MT * 16 rows): one column block at a time, each
 // weight tile (tile 6) loaded once and multiplied by every x tile (4 and 5 in turn) into C tiles
-// 0..MT-1. Each k step also writes `per_step` rows of the previous block's output.
+// 0..MT-1 (MT <= 2). Each k step also writes `per_step` rows of the previous block's output.
 template <int MT, bool kSiluMul>
 inline void multiply_column_block(const c10::BFloat16* x, int64_t k, const uint16_t* b, float (*c)[16 * 16],
                                   PendingBlock<kSiluMul>& pending, const Output<kSiluMul>& out, int64_t per_step) {
   const int64_t x_stride = k * 2;
   _tile_zero(0);
   if (MT > 1) _tile_zero(1);
-  if (MT > 2) _tile_zero(2);
-  if (MT > 3) _tile_zero(3);
   for (int64_t kk = 0; kk < k; kk += kTileK) {
     prefetch_weight_tile(b + (kk + kPrefetchTiles * kTileK) * 16);  // may run past the end: harmless
     _tile_loadd(6, b + kk * 16, 64);
     _tile_loadd(4, x + kk, x_stride);
     _tile_dpbf16ps(0, 4, 6);
     if (MT > 1) { _tile_loadd(5, x + 16 * k + kk, x_stride); _tile_dpbf16ps(1, 5, 6); }
-    if (MT > 2) { _tile_loadd(4, x + 32 * k + kk, x_stride); _tile_dpbf16ps(2, 4, 6); }
-    if (MT > 3) { _tile_loadd(5, x + 48 * k + kk, x_stride); _tile_dpbf16ps(3, 5, 6); }
     pending.write(out, pending.done + per_step);
   }
   _tile_stored(0, c[0], 64);
   if (MT > 1) _tile_stored(1, c[1], 64);
-  if (MT > 2) _tile_stored(2, c[2], 64);
-  if (MT > 3) _tile_stored(3, c[3], 64);
 }
 
 template <int MT, bool kSiluMul>
@@ -258,7 +252,7 @@ void amx_column_blocks(const c10::BFloat16* x, int64_t k, const uint16_t* w, con
   const int64_t per_step = (m + kStep * (k / kTileK) - 1) / (kStep * (k / kTileK));
   parallel_chunks(n_blocks / kStep, chunk_items(kStep * kp * 64), [&](const auto& next) {
     configure_tiles();
-    alignas(64) float c[2][2][4][16 * 16];  // [double buffer][block, its up block][row tile]
+    alignas(64) float c[2][2][2][16 * 16];  // [double buffer][block, its up block][row tile]
     PendingBlock<kSiluMul> pending;
     int buf = 0;
     int64_t begin, end;
