@@ -12,7 +12,8 @@ from pagedllm.model_executor.layers import pack_linear_weights
 
 needs_bf16_mkldnn = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="this CPU has no oneDNN bf16 support; pack_linear_weights is then a no-op (tested below)")
+    reason="this CPU has no oneDNN bf16 support: pack_linear_weights then only moves many-row products to fp32 "
+           "(tested below)")
 needs_amx = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().packed_linear_supported(),
                                reason="no AMX / AVX512-BF16 here: only the oneDNN packing applies")
 
@@ -108,3 +109,33 @@ def test_vocab_major_logits_are_the_lm_heads_product(tmp_path, rows):
             assert vocab_major.stride() == (1, rows)
         else:
             assert vocab_major.is_contiguous()
+
+
+@pytest.mark.parametrize("rows", [1, layers.UPCAST_MIN_ROWS - 1, layers.UPCAST_MIN_ROWS, 40])
+def test_without_bf16_arithmetic_many_rows_multiply_in_fp32(rows, monkeypatch):
+    """What pack_linear_weights does on a CPU with neither AMX nor oneDNN bf16 (run here on any CPU):
+    from UPCAST_MIN_ROWS rows a bf16 Linear multiplies fp32 copies of its weight, a slice at a time
+    (the 1,100-row tied head spans three slices); fewer rows keep the bf16 product."""
+    model = _model(vocab=1100)
+    upcasts, upcast_linear = [], layers.upcast_linear
+    monkeypatch.setattr(layers, "upcast_linear", lambda *a: upcasts.append(a[0].shape) or upcast_linear(*a))
+    layers._use_fp32_arithmetic(model)
+    assert model.head.weight is model.embed.weight and "forward" in vars(model.proj)
+    x = torch.randn(2, rows, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        for module in (model.proj, model.head):
+            w, b = module.weight.float(), None if module.bias is None else module.bias.float()
+            expected = F.linear(x.float(), w, b).to(torch.bfloat16)
+            torch.testing.assert_close(module(x), expected, rtol=1.6e-2, atol=1e-2)
+    assert len(upcasts) == (2 if 2 * rows >= layers.UPCAST_MIN_ROWS else 0)
+
+
+def test_upcast_linear_is_the_fp32_product_rounded_once():
+    torch.manual_seed(1)
+    x, w, b = torch.randn(3, 20, 64).bfloat16(), torch.randn(1100, 64).bfloat16(), torch.randn(1100).bfloat16()
+    out = layers.upcast_linear(x, w, b)
+    assert out.shape == (3, 20, 1100) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.linear(x.float(), w.float(), b.float()).bfloat16(), rtol=0, atol=0.02)
+    # Closer to the fp32 product than the bf16 one can be: one rounding, at the end.
+    exact = F.linear(x.double(), w.double(), b.double())
+    assert (out.double() - exact).abs().max() <= (exact.abs().max() * 2 ** -8)

@@ -10,7 +10,14 @@ from torch import nn
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.attention import PagedAttention
 from pagedllm.model_executor.kv_quant import kv_scale_target, scale_value
-from pagedllm.model_executor.layers import GEMV_MAX_ROWS, RMSNorm, RotaryEmbedding, fused_kernels, get_activation
+from pagedllm.model_executor.layers import (
+    GEMV_MAX_ROWS,
+    UPCAST_MIN_ROWS,
+    RMSNorm,
+    RotaryEmbedding,
+    fused_kernels,
+    get_activation,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -161,9 +168,11 @@ class LlamaForCausalLM(nn.Module):
         pack_linear_weights could not pack, e.g. without AMX) computes W @ hidden^T and returns that
         (vocab, rows) array's transposed view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a
         caller that reads any layout. (Up to GEMV_MAX_ROWS rows the head's own forward runs a GEMV,
-        faster still.)"""
+        faster still; on a CPU without bf16 arithmetic the head's forward multiplies many rows in fp32.)"""
         w = self.lm_head.weight
-        if vocab_major and hidden.dim() == 2 and hidden.shape[0] > GEMV_MAX_ROWS and w.dtype == torch.bfloat16 \
+        upcasts = hasattr(self.lm_head, "plain_forward") and hidden.shape[0] >= UPCAST_MIN_ROWS
+        if vocab_major and not upcasts and hidden.dim() == 2 and hidden.shape[0] > GEMV_MAX_ROWS \
+                and w.dtype == torch.bfloat16 \
                 and w.device.type == "cpu" and w.numel() > 0 and self.lm_head.bias is None:
             return (w @ hidden.T).T
         return self.lm_head(hidden)
