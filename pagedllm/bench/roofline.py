@@ -12,6 +12,7 @@ import time
 import torch
 
 from pagedllm.config import QUANTIZATION_METHODS
+from pagedllm.model_executor.layers import cpu_has_bf16_arithmetic
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -119,6 +120,9 @@ class MachineSampler:
     def __init__(self, dtype: torch.dtype, bandwidth_bytes: int, matmul_size: int = 2048,
                  matmul_window_s: float = 0.1) -> None:
         self.array = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
+        if dtype == torch.bfloat16 and not cpu_has_bf16_arithmetic():
+            dtype = torch.float32  # what the engine's bf16 Linears multiply in there (upcast_linear)
+        self.matmul_dtype = dtype
         self.a = torch.randn(matmul_size, matmul_size).to(dtype)
         self.b = torch.randn(matmul_size, matmul_size).to(dtype)
         self.matmul_window_s = matmul_window_s
@@ -170,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     rows, bandwidth_bytes = [], parse_size(args.bandwidth_bytes)
     for b in args.batch_sizes:
         machine = MachineSampler(cfg.dtype, bandwidth_bytes, matmul_window_s=args.matmul_window)
+        if machine.matmul_dtype != cfg.dtype and b == args.batch_sizes[0]:
+            print(f"this CPU has no {cfg.dtype} arithmetic: the matmul rate is {machine.matmul_dtype}'s, which the "
+                  "engine's many-row products run in")
         times = measure_decode_steps(llm, b, args.prompt_len, args.steps, args.seed, before_each=machine.sample)
         machine.sample()
         bandwidth, rate = machine.bandwidth, machine.matmul_rate
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         gemm = measure_gemm_time(model, b)
         achieved = floor["flops"] / best / rate
         rows.append({"batch": b, **floor, "read_bytes_per_s": bandwidth, "matmul_flops_per_s": rate,
+                     "matmul_dtype": str(machine.matmul_dtype).removeprefix("torch."),
                      "measured_s": best, "median_s": median, "ratio": best / floor["floor_s"],
                      "tokens_per_s": b / best, "fraction_of_matmul_rate": achieved, "gemm_only_s": gemm,
                      "gemm_only_fraction_of_matmul_rate": floor["flops"] / gemm / rate})

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm.bench.roofline import decode_floor
 from pagedllm.bench.serve import RequestRecord, compute_metrics
@@ -122,7 +123,7 @@ def test_roofline_runs_on_a_tiny_model_and_writes_every_field(tmp_path):
     assert [r["batch"] for r in rows] == [1, 3]
     for r in rows:
         assert 0 < r["measured_s"] <= r["median_s"] and r["read_bytes_per_s"] > 0 and r["matmul_flops_per_s"] > 0
-        assert r["ratio"] == pytest.approx(r["measured_s"] / r["floor_s"])
+        assert r["ratio"] == pytest.approx(r["measured_s"] / r["floor_s"]) and r["matmul_dtype"] == "float32"
         assert 0 < r["gemm_only_s"] and r["flops"] == rows[0]["flops"] * r["batch"]
 
 
@@ -151,3 +152,18 @@ def test_sustained_rate_counts_every_call_in_the_window():
     calls.clear()
     assert sustained_rate(call, 6.0, 0.001, clock=lambda: now[0]) == pytest.approx(6.0 / 0.03)  # at least once
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("bf16_arithmetic", [True, False])
+def test_roofline_matmul_rate_is_sampled_in_the_dtype_the_engine_multiplies_in(bf16_arithmetic, monkeypatch):
+    """Without bf16 arithmetic the engine's many-row bf16 products run in fp32 (upcast_linear), and
+    PyTorch's bf16 matmul there is a slow fallback: the rate is then fp32's."""
+    from pagedllm.bench import roofline
+
+    monkeypatch.setattr(roofline, "cpu_has_bf16_arithmetic", lambda: bf16_arithmetic)
+    sampler = roofline.MachineSampler(torch.bfloat16, 1 << 20, matmul_size=64, matmul_window_s=0.001)
+    assert sampler.matmul_dtype == (torch.bfloat16 if bf16_arithmetic else torch.float32)
+    assert sampler.a.dtype == sampler.matmul_dtype
+    sampler.sample()
+    assert sampler.matmul_rate > 0 and sampler.bandwidth > 0
+    assert roofline.MachineSampler(torch.float32, 1 << 20, matmul_size=64).matmul_dtype == torch.float32
