@@ -115,7 +115,7 @@ def test_vocab_major_logits_are_the_lm_heads_product(tmp_path, rows):
 def test_without_bf16_arithmetic_many_rows_multiply_in_fp32(rows, monkeypatch):
     """What pack_linear_weights does on a CPU with neither AMX nor oneDNN bf16 (run here on any CPU):
     from UPCAST_MIN_ROWS rows a bf16 Linear multiplies fp32 copies of its weight, a slice at a time
-    (the 1,100-row tied head spans three slices); fewer rows keep the bf16 product."""
+    (the 1,100-row tied head spans three slices); 2-4 rows take the native GEMV; others the bf16 product."""
     model = _model(vocab=1100)
     upcasts, upcast_linear = [], layers.upcast_linear
     monkeypatch.setattr(layers, "upcast_linear", lambda *a: upcasts.append(a[0].shape) or upcast_linear(*a))
@@ -128,6 +128,28 @@ def test_without_bf16_arithmetic_many_rows_multiply_in_fp32(rows, monkeypatch):
             expected = F.linear(x.float(), w, b).to(torch.bfloat16)
             torch.testing.assert_close(module(x), expected, rtol=1.6e-2, atol=1e-2)
     assert len(upcasts) == (2 if 2 * rows >= layers.UPCAST_MIN_ROWS else 0)
+
+
+def test_without_bf16_arithmetic_two_to_four_rows_take_the_gemv(monkeypatch):
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("the native kernels could not be built here (their PyTorch twins run; tested above)")
+    calls = []
+
+    class Recorder:
+        def gemv_bf16(self, x, w):
+            calls.append(tuple(x.shape))
+            return kernels.gemv_bf16(x, w)
+
+    monkeypatch.setattr(layers, "fused_kernels", lambda x: Recorder())
+    model = _model(vocab=1100)
+    layers._use_fp32_arithmetic(model)
+    for rows in (1, 2, 4, 5):
+        x = torch.randn(rows, 64).to(torch.bfloat16)
+        with torch.inference_mode():
+            expected = F.linear(x.float(), model.proj.weight.float(), model.proj.bias.float())
+            torch.testing.assert_close(model.proj(x), expected.to(torch.bfloat16), rtol=1.6e-2, atol=2e-2)
+    assert calls == [(2, 64), (4, 64)]
 
 
 def test_upcast_linear_is_the_fp32_product_rounded_once():
