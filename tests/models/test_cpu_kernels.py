@@ -331,13 +331,15 @@ def test_argmax_kernel_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="contiguous rows"):
         kernels.argmax_rows(torch.zeros(4))
 
-needs_amx = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().packed_linear_supported(),
-                               reason="no AMX / AVX512-BF16 here: pack_linear_weights uses oneDNN (tested in test_layers)")
+needs_packed_linear = pytest.mark.skipif(
+    cpu_kernels() is None or not (cpu_kernels().packed_linear_supported() or cpu_kernels().packed_linear_fma_supported()),
+    reason="neither AMX / AVX512-BF16 nor AVX2 / FMA here: pack_linear_weights uses oneDNN or fp32 (test_layers)")
 
 
-# Rows: the dot-product path (1-4), one to four AMX row tiles with a padded last one (5, 16, 17, 33, 64),
-# and row bands of 32 x 32 blocks with ragged ends (65, 100, 300).
-@needs_amx
+# Whichever path this CPU has. AMX: the dot-product path (1-4), one to four AMX row tiles with a padded
+# last one (5, 16, 17, 33, 64), and row bands of 32 x 32 blocks with ragged ends (65, 100, 300). AVX2 /
+# FMA: the few-row tiles (1-4), 4-row tiles with ragged ends (5, 17, 33, 65, 100), 128-row bands (300).
+@needs_packed_linear
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 33, 64, 65, 100, 300])
 @pytest.mark.parametrize("n,k", [(1152, 896), (48, 64), (16, 4864)])  # odd column-block counts at 48 and 16
 def test_packed_linear_is_the_linear_product(rows, n, k):
@@ -358,7 +360,7 @@ def test_packed_linear_is_the_linear_product(rows, n, k):
     assert kernels.packed_linear(x.view(1, rows, k), packed, None).shape == (1, rows, n)
 
 
-@needs_amx
+@needs_packed_linear
 def test_packed_embedding_reads_the_rows_back():
     gen = torch.Generator().manual_seed(1)
     table = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
@@ -372,7 +374,7 @@ def test_packed_embedding_reads_the_rows_back():
         kernels.packed_embedding(torch.tensor([-1]), packed)
 
 
-@needs_amx
+@needs_packed_linear
 def test_packed_linear_refuses_what_it_cannot_multiply():
     kernels = cpu_kernels()
     with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):
@@ -391,7 +393,7 @@ def test_packed_linear_refuses_what_it_cannot_multiply():
     assert kernels.packed_linear(torch.zeros(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 32)
 
 
-@needs_amx
+@needs_packed_linear
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 33, 64, 65, 100])
 def test_packed_silu_mul_is_silu_and_mul_of_the_product(rows):
     """Gate / up blocks alternating in the packed weight: SiLU(gate) * up straight out of the product,

@@ -14,8 +14,9 @@ needs_bf16_mkldnn = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
     reason="this CPU has no oneDNN bf16 support: pack_linear_weights then only moves many-row products to fp32 "
            "(tested below)")
-needs_amx = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().packed_linear_supported(),
-                               reason="no AMX / AVX512-BF16 here: only the oneDNN packing applies")
+needs_packed_linear = pytest.mark.skipif(
+    cpu_kernels() is None or not (cpu_kernels().packed_linear_supported() or cpu_kernels().packed_linear_fma_supported()),
+    reason="neither AMX / AVX512-BF16 nor AVX2 / FMA here: only the oneDNN packing or fp32 applies")
 
 
 class _TiedModel(nn.Module):
@@ -50,7 +51,7 @@ def test_packed_and_tied_linears_match_plain_linear(rows, packing, monkeypatch):
         torch.testing.assert_close(model.head(x), F.linear(x, model.embed.weight), rtol=1.6e-2, atol=1e-2)
 
 
-@needs_amx
+@needs_packed_linear
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_a_tied_head_is_packed_once_for_head_and_embedding(rows):
     model = _model(vocab=320)
@@ -67,7 +68,7 @@ def test_a_tied_head_is_packed_once_for_head_and_embedding(rows):
         torch.testing.assert_close(model.proj(x), F.linear(x, plain_proj_w, plain_proj_b), rtol=1.6e-2, atol=1e-2)
 
 
-@needs_amx
+@needs_packed_linear
 @pytest.mark.parametrize("rows", [1, 64])
 def test_gate_up_packed_for_the_fused_silu(rows):
     """A Linear marked feeds_silu_and_mul: its forward is still the [gate | up] product, and its
@@ -82,6 +83,27 @@ def test_gate_up_packed_for_the_fused_silu(rows):
         product = gate_up(x)
         torch.testing.assert_close(product, F.linear(x, plain_w, plain_b), rtol=1.6e-2, atol=1e-2)
         assert torch.equal(gate_up.fused_silu_and_mul(x), cpu_kernels().silu_and_mul(product))
+
+
+@needs_packed_linear
+@pytest.mark.parametrize("rows", [1, 3, 5, 40])
+def test_without_onednn_bf16_whole_block_weights_go_to_the_kernels(rows, monkeypatch):
+    """A CPU without oneDNN bf16 (AVX2 only; where AMX is there, its kernels): whole-block weights are
+    packed for cpu_kernels; a 300-row tied head (not whole blocks) keeps its plain weight, and without
+    AMX multiplies many rows in fp32."""
+    monkeypatch.setattr(layers, "_onednn_bf16", lambda: False)
+    model = _model()
+    plain_proj_w, plain_proj_b = model.proj.weight.detach().clone(), model.proj.bias.detach().clone()
+    assert pack_linear_weights(model) == 96 * 64 * 2
+    assert model.proj.weight.numel() == 0 and model.proj.packed_weight.shape == (96 // 16, 32, 16, 2)
+    assert model.head.weight is model.embed.weight and model.head.weight.numel() == 300 * 64
+    assert hasattr(model.head, "plain_forward") == (not cpu_kernels().packed_linear_supported())
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.proj(x), F.linear(x.float(), plain_proj_w.float(), plain_proj_b.float()).bfloat16(),
+                                   rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(model.head(x), F.linear(x.float(), model.embed.weight.float()).bfloat16(),
+                                   rtol=1.6e-2, atol=1e-2)
 
 
 def test_float32_weights_are_left_alone():

@@ -1,5 +1,5 @@
 // Linear layers over a bfloat16 weight packed once for the CPU's matrix units (AMX tiles and
-// AVX512-BF16 dot products), one layout for every batch size.
+// AVX512-BF16 dot products, or AVX2 FMAs), one layout for every batch size.
 //
 // Layout: a (N, K) weight becomes (N/16, K/2, 16, 2): column block nb holds, for each pair of K, its 16
 // output columns' two values side by side. That is the "VNNI" operand that TDPBF16PS (AMX) and
@@ -11,6 +11,8 @@
 //     multiplied by each weight tile as it arrives (the weight is read once); 33-64 rows, 32 x 32 output
 //     blocks in two row passes; beyond that, 32 x 32 output blocks over row bands that stay in cache.
 // The embedding of a tied LM head reads its rows back out of the same packed weight.
+// On CPUs with neither (AVX2 + FMA only, e.g. AMD Zen 3) the same layout feeds fp32 FMAs, the bf16
+// widened in registers (the fma_* functions below).
 #include "common.h"
 
 namespace {
@@ -26,13 +28,6 @@ constexpr int64_t kChunkBytes = 512 << 10;  // weight bytes per chunk of work ha
 
 // Items per chunk when each item reads `item_bytes` of the weight.
 inline int64_t chunk_items(int64_t item_bytes) { return std::max<int64_t>(1, kChunkBytes / item_bytes); }
-
-#if PAGEDLLM_HAS_AMX
-
-inline void prefetch_weight_tile(const uint16_t* tile) {
-  const char* p = reinterpret_cast<const char*>(tile);
-  for (int i = 0; i < 1024; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-}
 
 // 16 fp32 sums (+ bias) rounded to bf16 at out.
 inline void store_columns(const float* sums, const float* bias, c10::BFloat16* out) {
@@ -74,6 +69,13 @@ struct Output {
     }
   }
 };
+
+#if PAGEDLLM_HAS_AMX
+
+inline void prefetch_weight_tile(const uint16_t* tile) {
+  const char* p = reinterpret_cast<const char*>(tile);
+  for (int i = 0; i < 1024; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
 
 // The rows row0 .. (those below m) of 16 x 16 C tiles stored row-major: c for block nb (and, with
 // kSiluMul, c_up for block nb + 1).
@@ -316,6 +318,118 @@ void amx_row_bands(const c10::BFloat16* x, int64_t m_pad, int64_t k, const uint1
 
 #endif  // PAGEDLLM_HAS_AMX
 
+// ---- Without bf16 arithmetic (AVX2 + FMA, e.g. AMD Zen 3): the same packed weight, read in bf16 ----
+// Each 64-byte load of a column block holds 16 columns x one K pair as 32-bit words (even K in the low
+// half, odd K in the high half): a shift and a mask make them two vectors of fp32 (bf16 is the top half
+// of an fp32), multiplied by the rows' broadcast x in fp32 FMAs. The weight is never written back as
+// fp32 (what F.linear's fp32 route needs: a converted copy per call), and at few rows it streams at
+// memory bandwidth, where PyTorch's bf16 product on such a CPU is a scalar fallback.
+#if defined(__FMA__) && defined(__AVX2__)
+#define PAGEDLLM_HAS_FMA_LINEAR 1
+#else
+#define PAGEDLLM_HAS_FMA_LINEAR 0
+#endif
+
+#if PAGEDLLM_HAS_FMA_LINEAR
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// Register tiles (rows x column blocks), 24 layers of Qwen2.5-0.5B's Linears, 2-core Zen 3: from 5 rows
+// 4 x 2 (64 rows: 137 GFLOP/s; 6 x 1: 122, 5 x 1: 131, 3 x 2: 138, within noise of 4 x 2); 4 rows
+// 4 x 2 (28-31 ms; 4 x 1: 46-48, 2 x 2: 39); 2-3 rows x 4 blocks (2 x 2, 3 x 2: ~1 ms slower).
+constexpr int kFmaRowTile = 4;
+constexpr int64_t kFmaRowBand = 128;    // rows whose fp32 x stays in cache while a column group streams
+
+// sums[r][b * 16 + c] (row stride sums_stride) = rows 0..M-1 of x (fp32, row stride x_stride) times
+// column blocks 0..B-1 at w, over all kp K pairs. M x B x 2 accumulators of 8 lanes.
+template <int M, int B>
+inline void fma_tile(const float* x, int64_t x_stride, const uint32_t* w, int64_t kp, float* sums,
+                     int64_t sums_stride) {
+  f32x8 acc[M][B][2];
+  for (int r = 0; r < M; ++r)
+    for (int b = 0; b < B; ++b) acc[r][b][0] = acc[r][b][1] = f32x8{};
+  for (int64_t i = 0; i < kp; ++i) {
+    for (int b = 0; b < B; ++b) {
+      for (int h = 0; h < 2; ++h) {
+        u32x8 v;
+        std::memcpy(&v, w + (b * kp + i) * 16 + h * 8, sizeof v);
+        const f32x8 even = (f32x8)(v << 16), odd = (f32x8)(v & 0xFFFF0000u);
+        for (int r = 0; r < M; ++r) acc[r][b][h] += even * x[r * x_stride + 2 * i] + odd * x[r * x_stride + 2 * i + 1];
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r)
+    for (int b = 0; b < B; ++b)
+      for (int h = 0; h < 2; ++h) std::memcpy(sums + r * sums_stride + b * 16 + h * 8, &acc[r][b][h], sizeof(f32x8));
+}
+
+// A tile of 1-4 rows and one column block: the ragged end of a row band, or a group's last blocks.
+inline void fma_tile_rows(int rows, const float* x, int64_t x_stride, const uint32_t* w, int64_t kp, float* sums,
+                          int64_t sums_stride) {
+  switch (rows) {
+    case 1: fma_tile<1, 1>(x, x_stride, w, kp, sums, sums_stride); break;
+    case 2: fma_tile<2, 1>(x, x_stride, w, kp, sums, sums_stride); break;
+    case 3: fma_tile<3, 1>(x, x_stride, w, kp, sums, sums_stride); break;
+    default: fma_tile<4, 1>(x, x_stride, w, kp, sums, sums_stride); break;
+  }
+}
+
+// x (m, k) fp32 times the packed weight: work items are (row band, group of G column blocks), each
+// band's rows in tiles of MR rows x B blocks (the weight group read from cache after the first tile).
+// G is at least 2 so a gate block and its up block (kSiluMul) are stored together.
+template <int MR, int B, bool kSiluMul>
+void fma_product(const float* x, int64_t m, int64_t k, const uint32_t* w, const Output<kSiluMul>& out,
+                 int64_t n_blocks) {
+  static_assert(MR <= 4, "fma_tile_rows takes the ragged ends: up to 4 rows");
+  constexpr int G = B < 2 ? 2 : B;
+  const int64_t kp = k / 2, n_groups = (n_blocks + G - 1) / G, n_bands = (m + kFmaRowBand - 1) / kFmaRowBand;
+  const int64_t items = n_bands * n_groups;
+  // Few rows: the weight streams, chunks sized by bytes; more: compute-bound, ~8 chunks per thread.
+  const int64_t grain = m <= 4 ? chunk_items(G * kp * 64)
+                               : std::max<int64_t>(1, items / (8 * at::get_num_threads()));
+  parallel_chunks(items, grain, [&](const auto& next) {
+    alignas(64) float sums[MR][G * 16];
+    int64_t begin, end;
+    while (next(begin, end)) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t band = item / n_groups, nb0 = item % n_groups * G;
+        const int blocks = static_cast<int>(std::min<int64_t>(G, n_blocks - nb0));
+        const int64_t band_end = std::min(m, (band + 1) * kFmaRowBand);
+        for (int64_t r0 = band * kFmaRowBand; r0 < band_end; r0 += MR) {
+          const int rows = static_cast<int>(std::min<int64_t>(MR, band_end - r0));
+          for (int b = 0; b < blocks; b += B) {
+            const uint32_t* wb = w + (nb0 + b) * kp * 16;
+            if (rows == MR && b + B <= blocks) {
+              fma_tile<MR, B>(x + r0 * k, k, wb, kp, &sums[0][b * 16], G * 16);
+            } else {
+              for (int bb = b; bb < std::min(b + B, blocks); ++bb)
+                fma_tile_rows(rows, x + r0 * k, k, wb + (bb - b) * kp * 16, kp, &sums[0][bb * 16], G * 16);
+            }
+          }
+          for (int r = 0; r < rows; ++r)
+            for (int b = 0; b < blocks; b += kSiluMul ? 2 : 1)
+              out.store(&sums[r][b * 16], kSiluMul ? &sums[r][(b + 1) * 16] : nullptr, r0 + r, nb0 + b);
+        }
+      }
+    }
+  });
+}
+
+template <bool kSiluMul>
+void fma_multiply(const at::Tensor& x, int64_t m, int64_t k, const uint16_t* w16, const Output<kSiluMul>& out,
+                  int64_t n_blocks) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const auto* w = reinterpret_cast<const uint32_t*>(w16);
+  switch (m) {  // few rows: every row in one tile (the weight read once), enough blocks for 8+ sums
+    case 1: fma_product<1, 4>(xp, m, k, w, out, n_blocks); break;
+    case 2: fma_product<2, 4>(xp, m, k, w, out, n_blocks); break;
+    case 3: fma_product<3, 4>(xp, m, k, w, out, n_blocks); break;
+    case 4: fma_product<4, 2>(xp, m, k, w, out, n_blocks); break;
+    default: fma_product<kFmaRowTile, 2>(xp, m, k, w, out, n_blocks); break;
+  }
+}
+#endif  // PAGEDLLM_HAS_FMA_LINEAR
+
 void check_packed(const at::Tensor& packed) {
   TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == kColumnBlock &&
                   packed.size(3) == 2 && packed.size(1) % (kTileK / 2) == 0 && packed.is_contiguous(),
@@ -332,6 +446,9 @@ bool packed_linear_supported() {
   return false;
 #endif
 }
+
+// True when this build has the AVX2 / FMA path (used where packed_linear_supported() is false).
+bool packed_linear_fma_supported() { return PAGEDLLM_HAS_FMA_LINEAR; }
 
 // weight: (N, K) bfloat16 with N % 16 == 0 and K % 32 == 0 -> the packed (N/16, K/2, 16, 2) layout.
 at::Tensor pack_linear_weight(const at::Tensor& weight) {
@@ -379,7 +496,9 @@ void multiply(const at::Tensor& x, int64_t m, int64_t k, const uint16_t* w, cons
 
 template <bool kSiluMul>
 at::Tensor packed_product(const at::Tensor& x_in, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed_linear_supported(), "packed_linear needs AMX and AVX512-BF16 (see packed_linear_supported)");
+  const bool amx = packed_linear_supported();
+  TORCH_CHECK(amx || packed_linear_fma_supported(),
+              "packed_linear needs AMX and AVX512-BF16, or AVX2 and FMA (see packed_linear_supported)");
   check_packed(packed);
   const int64_t n_blocks = packed.size(0), n = n_blocks * kColumnBlock, k = packed.size(1) * 2;
   TORCH_CHECK(!kSiluMul || n_blocks % 2 == 0, "a gate / up weight has an even number of 16-column blocks");
@@ -397,9 +516,16 @@ at::Tensor packed_product(const at::Tensor& x_in, const at::Tensor& packed, cons
   out_shape.back() = n_out;
   at::Tensor y = at::empty(out_shape, x.options());
   if (m == 0) return y;
-#if PAGEDLLM_HAS_AMX
   const Output<kSiluMul> out{y.data_ptr<c10::BFloat16>(), n_out, bp};
-  multiply(x.view({m, k}), m, k, reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>()), out, n_blocks);
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+#if PAGEDLLM_HAS_AMX
+  if (amx) {
+    multiply(x.view({m, k}), m, k, w, out, n_blocks);
+    return y;
+  }
+#endif
+#if PAGEDLLM_HAS_FMA_LINEAR
+  fma_multiply(x.view({m, k}), m, k, w, out, n_blocks);
 #endif
   return y;
 }
