@@ -53,15 +53,20 @@ def decode_floor(num_params: int, weight_bytes: int, kv_bytes_per_token: int, ba
 
 def measure_decode_steps(llm, batch: int, prompt_len: int, steps: int, seed: int, before_each=None) -> list[float]:
     """Wall time of each of `steps` decode steps with `batch` running sequences (after their prefill);
-    `before_each()`, if given, runs (untimed) before each timed step."""
+    `before_each()`, if given, runs (untimed) before each timed step.
+
+    The prompts' prefill may take several steps (chunked), and sequences prefilled early decode during
+    the later chunks: every request may generate up to max_model_len, and each timed step is checked to
+    have run all `batch` sequences (a step with fewer would time less work than it claims)."""
     from pagedllm import SamplingParams
 
     engine = llm.llm_engine
     rng = random.Random(seed)
     vocab = engine.config.model.vocab_size
-    for _ in range(batch):
-        engine.add_request(None, {"prompt_token_ids": [rng.randrange(10, min(vocab, 32000)) for _ in range(prompt_len)]},
-                           SamplingParams(temperature=0.0, max_tokens=steps + 3, ignore_eos=True))
+    max_tokens = engine.config.model.max_model_len - prompt_len
+    ids = [engine.add_request(None, {"prompt_token_ids": [rng.randrange(10, min(vocab, 32000)) for _ in range(prompt_len)]},
+                              SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+           for _ in range(batch)]
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     engine.step()  # a first decode step, not timed
@@ -72,8 +77,11 @@ def measure_decode_steps(llm, batch: int, prompt_len: int, steps: int, seed: int
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    while engine.has_unfinished_requests():
-        engine.step()
+        if engine.last_step_num_requests != batch:
+            raise RuntimeError(f"a timed decode step ran {engine.last_step_num_requests} sequences, not {batch}: "
+                               "raise max_model_len (or lower --steps)")
+    for request_id in ids:
+        engine.abort_request(request_id)
     return times
 
 
@@ -159,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     from pagedllm.engine.arg_utils import parse_size
     from pagedllm.memory.model_size import kv_bytes_per_token, num_params_from_config
 
+    # Room for the timed steps, plus the decode steps of sequences prefilled in an early chunk while the
+    # rest of the batch's prompts are prefilled (2048 tokens a step, the engine's default).
+    prefill_steps = -(-max(args.batch_sizes) * args.prompt_len // 2048)
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
-              max_model_len=args.prompt_len + args.steps + 16, max_num_seqs=max(args.batch_sizes))
+              max_model_len=args.prompt_len + args.steps + 2 * prefill_steps + 16, max_num_seqs=max(args.batch_sizes))
     cfg = llm.llm_engine.config.model
     num_params = num_params_from_config(cfg.hf_config)
     weights = llm.llm_engine.runner.weight_bytes

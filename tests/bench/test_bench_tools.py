@@ -127,6 +127,25 @@ def test_roofline_runs_on_a_tiny_model_and_writes_every_field(tmp_path):
         assert 0 < r["gemm_only_s"] and r["flops"] == rows[0]["flops"] * r["batch"]
 
 
+def test_timed_decode_steps_run_the_whole_batch_after_a_chunked_prefill(tmp_path):
+    """Six 8-token prompts at 16 tokens a step: three prefill steps, the first sequences decoding
+    during the later ones. Every timed step still runs all six (checked inside), and the requests are
+    gone afterwards; where max_model_len leaves no room for the timed steps, the function says so."""
+    from pagedllm import LLM
+    from pagedllm.bench.roofline import measure_decode_steps
+    from tests.helpers import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", "llama")
+    llm = LLM(str(model), dtype="float32", max_model_len=40, max_num_batched_tokens=16, max_num_seqs=6)
+    samples = []
+    times = measure_decode_steps(llm, 6, 8, 4, seed=0, before_each=lambda: samples.append(1))
+    assert len(times) == 4 and all(t > 0 for t in times) and len(samples) == 4
+    assert not llm.llm_engine.has_unfinished_requests()
+    short = LLM(str(model), dtype="float32", max_model_len=12, max_num_batched_tokens=16, max_num_seqs=6)
+    with pytest.raises(RuntimeError, match="a timed decode step ran [0-5] sequences, not 6"):
+        measure_decode_steps(short, 6, 8, 4, seed=0)
+
+
 def test_roofline_refuses_bad_arguments():
     from pagedllm.bench.roofline import main as roofline_main
 
