@@ -5,8 +5,9 @@ They do what PyTorch's ops can only do in several passes: decode attention read 
 paged KV cache (no gathered copy of K/V, one parallel loop instead of ~10 small kernels per layer)
 and the step's K/V rows written into it,
 the decoder's elementwise steps fused (residual add + RMSNorm, SiLU * up, rotary embedding), bf16
-Linear layers over a weight packed once for AMX tiles and AVX512-BF16 dot products (packed_linear.cpp;
-on CPUs without them oneDNN's packed layout is used), a GEMV that streams a plain bf16 weight, and
+Linear layers over a weight packed once for AMX tiles and AVX512-BF16 dot products, or for fp32 FMAs
+on AVX2 CPUs with no bf16 arithmetic (packed_linear.cpp; on AVX-512 CPUs without AMX / AVX512-BF16,
+oneDNN's packed layout is used), a GEMV that streams a plain bf16 weight, and
 greedy sampling's argmax over rows of logits.
 Every kernel has a PyTorch twin that is used when the kernels cannot be built (no C++ compiler, a GPU
 device) or are turned off with PAGEDLLM_CPU_KERNELS=0; tests check one against the other.
