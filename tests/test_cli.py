@@ -58,7 +58,9 @@ def test_bench_sweep_runs_each_batch_size_and_plots(tiny_models, tmp_path):
                   "--backend", "pagedllm", "--backend", "transformers", "--bandwidth-bytes", "16MiB",
                   "--output-json", str(out), "--plot", str(png))
     assert res.returncode == 0, res.stderr
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert result["settings"]["matmul_dtype"] == "float32"
     assert sorted((r["backend"], r["batch"]) for r in rows if "elapsed_s" in r) == [
         ("pagedllm", 1), ("pagedllm", 3), ("transformers", 1), ("transformers", 3)]
     for r in rows:

@@ -34,6 +34,15 @@ def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> dict:
     return {"read_bytes_per_s": read, "copy_bytes_per_s": copy}
 
 
+def arithmetic_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the engine's Linears multiply in: bf16 runs as fp32 FMAs on a CPU without bf16
+    arithmetic (packed_linear's AVX2 path, upcast_linear), where PyTorch's bf16 matmul is a slow
+    fallback (a 2048^3 product: ~1 min on a 2-core Zen 3)."""
+    if dtype == torch.bfloat16 and not cpu_has_bf16_arithmetic():
+        return torch.float32
+    return dtype
+
+
 def measure_matmul(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
     a = torch.randn(size, size).to(dtype)
     b = torch.randn(size, size).to(dtype)
@@ -128,9 +137,7 @@ class MachineSampler:
     def __init__(self, dtype: torch.dtype, bandwidth_bytes: int, matmul_size: int = 2048,
                  matmul_window_s: float = 0.1) -> None:
         self.array = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
-        if dtype == torch.bfloat16 and not cpu_has_bf16_arithmetic():
-            dtype = torch.float32  # what the engine's bf16 Linears multiply in there (upcast_linear)
-        self.matmul_dtype = dtype
+        self.matmul_dtype = dtype = arithmetic_dtype(dtype)
         self.a = torch.randn(matmul_size, matmul_size).to(dtype)
         self.b = torch.randn(matmul_size, matmul_size).to(dtype)
         self.matmul_window_s = matmul_window_s

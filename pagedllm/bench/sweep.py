@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = read_llamacpp_jsonl(args.llamacpp_jsonl, args.input_len, args.output_len) if args.llamacpp_jsonl else []
 
     from pagedllm.bench import throughput as tp
-    from pagedllm.bench.roofline import measure_bandwidth, measure_matmul
+    from pagedllm.bench.roofline import arithmetic_dtype, measure_bandwidth, measure_matmul
     from pagedllm.engine.arg_utils import parse_size
     from pagedllm.memory.model_size import kv_bytes_per_token, num_params_from_config
     from pagedllm.model_executor.model_files import load_hf_config, resolve_model_path
@@ -102,8 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     llm = tp.make_llm(args)
     cfg = llm.llm_engine.config.model
     bandwidth = measure_bandwidth(parse_size(args.bandwidth_bytes))["read_bytes_per_s"]
-    rate = measure_matmul(cfg.dtype)
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {rate / 1e9:.0f} GFLOP/s", flush=True)
+    matmul_dtype = arithmetic_dtype(cfg.dtype)
+    rate = measure_matmul(matmul_dtype)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {rate / 1e9:.0f} GFLOP/s "
+          f"({str(matmul_dtype).removeprefix('torch.')})", flush=True)
     shape = (num_params_from_config(cfg.hf_config), llm.llm_engine.runner.weight_bytes,
              kv_bytes_per_token(cfg.hf_config, cfg.dtype))
     hf_model = tp._hf_model(args) if {"transformers", "transformers-cb"} & set(backends) else None
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch {b:>4} {backend:<16} {rows[-1]['output_tokens_per_second']:8.1f} output tok/s",
                   flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "backend"} | {"backends": backends,
-                "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": rate}
+                "bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": rate,
+                "matmul_dtype": str(matmul_dtype).removeprefix("torch.")}
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"settings": settings, "rows": rows}, f, indent=2)

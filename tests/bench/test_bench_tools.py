@@ -175,14 +175,15 @@ def test_sustained_rate_counts_every_call_in_the_window():
 
 @pytest.mark.parametrize("bf16_arithmetic", [True, False])
 def test_roofline_matmul_rate_is_sampled_in_the_dtype_the_engine_multiplies_in(bf16_arithmetic, monkeypatch):
-    """Without bf16 arithmetic the engine's many-row bf16 products run in fp32 (upcast_linear), and
-    PyTorch's bf16 matmul there is a slow fallback: the rate is then fp32's."""
+    """Without bf16 arithmetic the engine's bf16 products run in fp32 (packed_linear's AVX2 path,
+    upcast_linear), and PyTorch's bf16 matmul there is a slow fallback: the rate is then fp32's (the
+    sweep's roofline takes the same arithmetic_dtype)."""
     from pagedllm.bench import roofline
 
     monkeypatch.setattr(roofline, "cpu_has_bf16_arithmetic", lambda: bf16_arithmetic)
     sampler = roofline.MachineSampler(torch.bfloat16, 1 << 20, matmul_size=64, matmul_window_s=0.001)
     assert sampler.matmul_dtype == (torch.bfloat16 if bf16_arithmetic else torch.float32)
-    assert sampler.a.dtype == sampler.matmul_dtype
+    assert sampler.a.dtype == sampler.matmul_dtype == roofline.arithmetic_dtype(torch.bfloat16)
     sampler.sample()
     assert sampler.matmul_rate > 0 and sampler.bandwidth > 0
     assert roofline.MachineSampler(torch.float32, 1 << 20, matmul_size=64).matmul_dtype == torch.float32
