@@ -313,6 +313,8 @@ def _use_fp32_arithmetic(model: nn.Module) -> None:
 
 
 def _upcast_many_rows(module: nn.Linear, tied: bool) -> None:
+    """Products of UPCAST_MIN_ROWS rows or more run in fp32 (upcast_linear); fewer keep the plain bf16
+    forward (a weight tied to an embedding: its shared-weight forward)."""
     plain = _shared_weight_forward if tied else type(module).forward
     module.plain_forward = plain.__get__(module)
     module.forward = _upcast_linear_forward.__get__(module)

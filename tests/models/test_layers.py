@@ -12,8 +12,8 @@ from pagedllm.model_executor.layers import pack_linear_weights
 
 needs_bf16_mkldnn = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="this CPU has no oneDNN bf16 support: pack_linear_weights then only moves many-row products to fp32 "
-           "(tested below)")
+    reason="this CPU has no oneDNN bf16 support: its packing is not used here (the kernels' packing and the "
+           "fp32 route are tested below)")
 needs_packed_linear = pytest.mark.skipif(
     cpu_kernels() is None or not (cpu_kernels().packed_linear_supported() or cpu_kernels().packed_linear_fma_supported()),
     reason="neither AMX / AVX512-BF16 nor AVX2 / FMA here: only the oneDNN packing or fp32 applies")
@@ -135,9 +135,10 @@ def test_vocab_major_logits_are_the_lm_heads_product(tmp_path, rows):
 
 @pytest.mark.parametrize("rows", [1, layers.UPCAST_MIN_ROWS - 1, layers.UPCAST_MIN_ROWS, 40])
 def test_without_bf16_arithmetic_many_rows_multiply_in_fp32(rows, monkeypatch):
-    """What pack_linear_weights does on a CPU with neither AMX nor oneDNN bf16 (run here on any CPU):
-    from UPCAST_MIN_ROWS rows a bf16 Linear multiplies fp32 copies of its weight, a slice at a time
-    (the 1,100-row tied head spans three slices); 2-4 rows take the native GEMV; others the bf16 product."""
+    """What pack_linear_weights does on a CPU with no bf16 arithmetic and no kernels to pack for (run
+    here on any CPU): from UPCAST_MIN_ROWS rows a bf16 Linear multiplies fp32 copies of its weight, a
+    slice at a time (the 1,100-row tied head spans three slices); 2-4 rows take the native GEMV; others
+    the bf16 product."""
     model = _model(vocab=1100)
     upcasts, upcast_linear = [], layers.upcast_linear
     monkeypatch.setattr(layers, "upcast_linear", lambda *a: upcasts.append(a[0].shape) or upcast_linear(*a))
