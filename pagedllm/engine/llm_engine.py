@@ -5,17 +5,19 @@ import itertools
 import logging
 from dataclasses import dataclass, replace
 
+import torch
+
 from pagedllm.config import EngineConfig
 from pagedllm.engine.audio_inputs import AudioGeneration, AudioPrompt, refuse_audio
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, SwapStats
 from pagedllm.engine.request import FINISH_REASONS, Request, RequestStatus
 from pagedllm.engine.scheduler import PreemptionStats, Scheduler
-from pagedllm.errors import InvalidPromptError
+from pagedllm.errors import InvalidPromptError, KVCacheMemoryError
 from pagedllm.memory.device import DeviceMemory, device_memory, host_memory
-from pagedllm.memory.facts import device_facts, measured_model_facts, settings_from
+from pagedllm.memory.facts import device_facts, measured_model_facts, settings_from, with_measured_offload_cost
 from pagedllm.memory.model_size import estimate_activation_bytes
-from pagedllm.memory.plan import MemoryPlan
+from pagedllm.memory.plan import MemoryPlan, kv_allocation_failure
 from pagedllm.memory.profiler import runtime_overhead_bytes
 from pagedllm.model_executor.audio_sampling import verify_audio_sampling_params
 from pagedllm.model_executor.model_files import generation_eos_ids
@@ -57,6 +59,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         self.tokenizer = tokenizer
         at_start = device_memory(config.device)  # what others use, measured before we load anything
+        if at_start.unified and config.model.cpu_offload_bytes:
+            raise ValueError(
+                f"--cpu-offload-gb has nothing to do on {at_start.name or 'this GPU'}: its memory is unified with "
+                f"the host's, so offloaded weights would stay in the same memory. Remove --cpu-offload-gb; to make "
+                f"the weights smaller, use --quantization int8.")
         self.runner = ModelRunner(config)
         self.memory_plan = self._plan_memory(config, at_start)
         self.memory_plan.check()
@@ -66,7 +73,7 @@ class LLMEngine:
             logger.info("max_model_len auto: %d tokens fit", config.model.max_model_len)
         self.config = config
         logger.info("memory plan:\n%s", self.memory_plan.table())
-        self.runner.allocate_kv_cache(self.memory_plan.num_blocks)
+        self._allocate_kv_cache()
         self.num_swap_blocks = self._allocate_swap_space(config.cache.swap_space_bytes)
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, config.cache.block_size,
                                        enable_caching=config.cache.enable_prefix_caching,
@@ -89,12 +96,17 @@ class LLMEngine:
             settings = replace(settings, max_model_len=None)
         device = self.runner.device
         weights = self.runner.weight_bytes
-        overhead = runtime_overhead_bytes(device, weights, at_start.used_by_others_bytes)
+        # On a CPU before the profile run (whose freed heap the resident set keeps); on a GPU after it, with
+        # the kernels its steps loaded and the workspaces they made.
+        resident_weights = weights - self.runner.offloaded_weight_bytes + self.runner.offload_slot_bytes
+        overhead = runtime_overhead_bytes(device, resident_weights, at_start) if device.type == "cpu" else None
         sized_by_user = config.cache.kv_cache_memory_bytes is not None or config.cache.num_gpu_blocks_override
         activation, source = None, "measured"
         if not sized_by_user:
             activation = self.runner.profile_run(settings.max_num_batched_tokens, settings.max_num_seqs,
                                                  config.model.max_model_len)
+        if overhead is None:
+            overhead = runtime_overhead_bytes(device, resident_weights, at_start)
         if activation is None:
             source = "estimated (KV cache sized by the user)" if sized_by_user else "estimated"
             activation = estimate_activation_bytes(config.model.hf_config, settings.dtype,
@@ -102,7 +114,16 @@ class LLMEngine:
         facts = measured_model_facts(config.model.hf_config, config.model.model_max_len, settings, weights,
                                      activation, overhead, source)
         host = host_memory() if device.type != "cpu" else None  # where a GPU's swap space goes
-        return MemoryPlan(settings, device_facts(at_start, host=host), facts)
+        return with_measured_offload_cost(MemoryPlan(settings, device_facts(at_start, host=host), facts))
+
+    def _allocate_kv_cache(self) -> None:
+        """The planned KV cache; a failed allocation (memory taken since it was measured) is a KVCacheMemoryError."""
+        plan = self.memory_plan
+        try:
+            self.runner.allocate_kv_cache(plan.num_blocks)
+        except torch.OutOfMemoryError as e:
+            self.runner.release_kv_cache()
+            raise KVCacheMemoryError(kv_allocation_failure(plan, str(e).splitlines()[0])) from None
 
     def _allocate_swap_space(self, swap_space_bytes: int) -> int:
         """Host blocks for --swap-space, sized by the bytes per block of the KV cache as allocated (its

@@ -89,7 +89,7 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         ns.model = ns.model_pos
     plan = dry_run_plan(engine_args_from(ns), device=ns.device, device_memory=ns.device_memory,
                         device_memory_used=ns.device_memory_used, unified=ns.unified_memory,
-                        host_memory=ns.host_memory,
+                        host_memory=ns.host_memory, page_cache=ns.page_cache,
                         tensor_parallel_size=ns.tensor_parallel_size)
     if ns.audio_tokenizer_type is not None or ns.audio_tokenizer_path is not None:
         from pagedllm.audio.memory import with_planned_audio_tokenizer
@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory-used", default=None,
                       help="memory already held by other processes and the OS (default 0 with --device-memory)")
     plan.add_argument("--unified-memory", action="store_true", help="the device shares memory with the CPU")
+    plan.add_argument("--page-cache", default=None,
+                      help="with --device-memory on unified memory (or --device cpu): reclaimable page cache in it, "
+                           "besides --device-memory-used, counted as free (e.g. 60GiB)")
     plan.add_argument("--host-memory", default=None,
                       help="with --device-memory: the host's memory beside it, where --swap-space goes "
                            "(default: unknown, not checked)")

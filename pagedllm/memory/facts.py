@@ -1,11 +1,11 @@
 """The inputs of a memory plan: read from files for a dry run, or measured by a running engine."""
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
-
-from pagedllm.memory.device import DeviceMemory
+from pagedllm.memory.device import DeviceMemory, host_to_device_bytes_per_s
 from pagedllm.memory.model_size import (
     estimate_activation_bytes,
     kv_bytes_per_token,
@@ -14,18 +14,20 @@ from pagedllm.memory.model_size import (
     weight_bytes_from_config,
     weight_bytes_from_headers,
 )
-from pagedllm.memory.plan import GiB, MiB, DeviceFacts, ModelFacts, PlanSettings
+from pagedllm.memory.plan import MiB, DeviceFacts, MemoryPlan, ModelFacts, PlanSettings
 
-# Runtime overhead a dry run assumes: the CUDA context and library workspaces on a GPU; the
-# Python interpreter, torch and tokenizer on a CPU. The engine measures its own.
-ESTIMATED_OVERHEAD = {"cuda": 1 * GiB, "cpu": 512 * MiB}
+# Runtime overhead a dry run assumes: on a GPU the CUDA context, the kernels PyTorch and cuBLAS load
+# and their workspaces (an H200 with torch 2.11 / CUDA 13: see docs/benchmarks.md); the Python
+# interpreter, torch and tokenizer on a CPU. The engine measures its own.
+ESTIMATED_OVERHEAD = {"cuda": 640 * MiB, "cpu": 512 * MiB}
 
 
-def device_facts(mem: DeviceMemory, source: str = "measured", host: DeviceMemory | None = None) -> DeviceFacts:
+def device_facts(mem: DeviceMemory, source: str = "measured", host: DeviceMemory | None = None,
+                 h2d_bytes_per_s: float | None = None) -> DeviceFacts:
     """`host`: the host's memory, where the swap space of a discrete GPU goes (None on CPU: the device)."""
     host_total, host_used = (host.total_bytes, host.used_by_others_bytes) if host is not None else (None, None)
     return DeviceFacts(mem.device, mem.total_bytes, mem.used_by_others_bytes, mem.unified, mem.name, source,
-                       host_total, host_used)
+                       host_total, host_used, mem.page_cache_bytes, h2d_bytes_per_s)
 
 
 def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int, device: str) -> ModelFacts:
@@ -100,3 +102,14 @@ def settings_from(engine_config) -> PlanSettings:
         quantization=c.model.quantization, cpu_offload_bytes=c.model.cpu_offload_bytes,
         swap_space_bytes=c.cache.swap_space_bytes,
     )
+
+
+def with_measured_offload_cost(plan: MemoryPlan) -> MemoryPlan:
+    """On a discrete GPU where offloading is set or may be offered as a fix, the plan with the host-to-device
+    bandwidth measured (a few 128 MiB copies), so it prices --cpu-offload-gb in ms per step."""
+    d = plan.device
+    if d.device != "cuda" or d.unified or d.h2d_bytes_per_s is not None:
+        return plan
+    if plan.fits and not plan.settings.cpu_offload_bytes:
+        return plan
+    return replace(plan, device=replace(d, h2d_bytes_per_s=host_to_device_bytes_per_s()))

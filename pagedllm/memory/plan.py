@@ -10,13 +10,19 @@ import torch
 
 from pagedllm.config import resolve_kv_cache_dtype
 from pagedllm.errors import KVCacheMemoryError
-from pagedllm.model_executor.offload import num_offloaded_layers
+from pagedllm.model_executor.offload import device_slots, num_offloaded_layers
 from pagedllm.utils import cdiv, gib_to_bytes
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 # vLLM's limits on --swap-space as a share of the host's total memory: refused above 70%, warned about
 # above 40%. pagedllm refuses the same, and never proposes more than 40%.
 SWAP_HOST_LIMIT, SWAP_HOST_ADVISED = 0.7, 0.4
+# Host-to-device bandwidth a plan for a described (not measured) GPU prices --cpu-offload-gb at: what a
+# PCIe 4.0 x16 link sustains for pinned copies. Said to be assumed wherever it is used.
+ASSUMED_H2D_BYTES_PER_S = 25e9
+DROP_CACHES = "sync; echo 3 > /proc/sys/vm/drop_caches"
+UNIFIED_NO_OFFLOAD = ("on unified memory the GPU's memory is the host's: --cpu-offload-gb and --swap-space would move "
+                      "nothing out of it")
 
 
 def fmt_bytes(n: float) -> str:
@@ -73,6 +79,16 @@ class DeviceFacts:
     # device is the host).
     host_total_bytes: int | None = None
     host_used_bytes: int | None = None
+    # Reclaimable page cache in the device's memory (CPU, unified memory): counted as available, since
+    # the kernel hands it back as the engine allocates; used_by_others_bytes is what is really held.
+    page_cache_bytes: int = 0
+    # Pinned host-to-device copy bandwidth (bytes/s), what --cpu-offload-gb costs per step; None: not measured.
+    h2d_bytes_per_s: float | None = None
+
+    @property
+    def shares_host_memory(self) -> bool:
+        """The device's memory is the host's RAM (CPU, unified memory): page cache lives in it."""
+        return self.device == "cpu" or self.unified
 
 
 @dataclass(frozen=True)
@@ -112,6 +128,7 @@ class Fix:
     flag: str
     value: str
     effect: str
+    extra_step_ms: float | None = None  # --cpu-offload-gb: the copies each forward waits for
 
 
 @dataclass(frozen=True)
@@ -125,12 +142,13 @@ class MemoryPlan:
     @property
     def weight_bytes(self) -> int:
         """Weights in device memory: all of them, less the layers offloaded to host memory, plus the
-        transient copy of one of those while it runs (on unified memory, offloading saves nothing)."""
+        device slots those pass through (two layers: one computing, the next one's copy arriving; on
+        unified memory, offloading saves nothing)."""
         total = self.model.weight_bytes(self.settings)
         if not self.offloaded_layers:
             return total
         saved = 0 if self.device.unified else self.offloaded_weight_bytes
-        return total - saved + self.model.layer_weight_bytes(self.settings)
+        return total - saved + device_slots(self.offloaded_layers) * self.model.layer_weight_bytes(self.settings)
 
     @property
     def offloaded_layers(self) -> int:
@@ -145,6 +163,19 @@ class MemoryPlan:
         if not self.offloaded_layers:
             return 0
         return self.offloaded_layers * self.model.layer_weight_bytes(self.settings)
+
+    @property
+    def offload_step_ms(self) -> float | None:
+        """What --cpu-offload-gb adds to each forward: copying the offloaded layers from host memory at the
+        measured host-to-device bandwidth (or the assumed one, on a described device). The copies overlap
+        the layers' compute, so a step takes about max(this, its compute)."""
+        if not self.offloaded_weight_bytes:
+            return None
+        return self.offloaded_weight_bytes / self.h2d_bytes_per_s * 1000
+
+    @property
+    def h2d_bytes_per_s(self) -> float:
+        return self.device.h2d_bytes_per_s or ASSUMED_H2D_BYTES_PER_S
 
     @property
     def activation_bytes(self) -> int:
@@ -313,6 +344,7 @@ class MemoryPlan:
                     f"overhead ({fmt_bytes(self.non_kv_bytes)}) and other processes' "
                     f"{fmt_bytes(d.used_by_others_bytes)} exceed the {mem}.")
         budget, others = self.budget_bytes, d.used_by_others_bytes
+        mem += self._page_cache_aside()
         if others >= budget:
             return (f"other processes and the OS already use {fmt_bytes(others)} of the {mem}; the engine's "
                     f"budget of {fmt_bytes(budget)} (gpu_memory_utilization {s.gpu_memory_utilization:g}) "
@@ -333,6 +365,21 @@ class MemoryPlan:
                 f"{self.blocks_that_fit * s.block_size} tokens, but one sequence of max_model_len "
                 f"{self.max_model_len} needs {fmt_bytes(self.seq_bytes)} "
                 f"({fmt_bytes(self.kv_bytes_per_token)} per token).")
+
+    def _page_cache_aside(self) -> str:
+        """Said beside what others hold: the page cache is not part of it."""
+        cache = self.device.page_cache_bytes
+        return f" (besides {fmt_bytes(cache)} of page cache, counted as free: the kernel reclaims it)" if cache else ""
+
+    @property
+    def page_cache_reclaimed_bytes(self) -> int:
+        """Page cache the kernel must give back for the engine to start: what the engine will hold beyond
+        the memory that is free now (not others', not page cache)."""
+        d = self.device
+        if not d.page_cache_bytes or not self.fits:
+            return 0
+        engine = self.non_kv_bytes + self.kv_cache_bytes + self.shared_swap_bytes
+        return max(0, min(d.page_cache_bytes, d.used_by_others_bytes + d.page_cache_bytes + engine - d.total_bytes))
 
     def _swap_cause(self) -> str:
         s = self.settings
@@ -396,7 +443,8 @@ class MemoryPlan:
         swap = self._smaller_swap_fix()
         if swap is not None:
             candidates.append(swap)
-        return [Fix(flag, value, self._effect_of(flag, p)) for flag, value, p in candidates if p.fits]
+        return [Fix(flag, value, self._effect_of(flag, p), p.offload_step_ms if flag == "--cpu-offload-gb" else None)
+                for flag, value, p in candidates if p.fits]
 
     def _smaller_swap_fix(self) -> tuple[str, str, MemoryPlan] | None:
         """The largest --swap-space (to 0.01 GiB, 0 = none) below the current one at which the plan fits."""
@@ -447,22 +495,32 @@ class MemoryPlan:
         if flag == "--swap-space":
             return f"{fixed.effect()}; swap space {fmt_bytes(fixed.swap_bytes)} = {fixed.swap_tokens} tokens"
         if flag in ("--quantization", "--cpu-offload-gb"):
-            return (f"{fixed.effect()}; weights in device memory {fmt_bytes(self.weight_bytes)} -> "
+            text = (f"{fixed.effect()}; weights in device memory {fmt_bytes(self.weight_bytes)} -> "
                     f"{fmt_bytes(fixed.weight_bytes)} ({fmt_bytes(self.weight_bytes - fixed.weight_bytes)} saved)")
+            return text + (f"; {fixed.offload_cost()}" if flag == "--cpu-offload-gb" else "")
         return fixed.effect(self if flag == "--kv-cache-dtype" else None)
 
     def _cpu_offload_fix(self) -> tuple[str, str, MemoryPlan] | None:
         """The smallest --cpu-offload-gb (in whole layers) that fits; only a discrete CUDA device gains.
-        Offloading one layer saves nothing: its copy still comes to the device when it runs."""
+        Offloading as many layers as there are device slots saves nothing: each passes through one."""
         if self.device.device != "cuda" or self.device.unified or self.model.layer_weight_bytes is None:
             return None
         layer = self.model.layer_weight_bytes(self.settings)
-        for n in range(max(self.offloaded_layers + 1, 2), self.model.num_layers + 1):
+        for n in range(max(self.offloaded_layers + 1, device_slots(self.model.num_layers) + 1),
+                       self.model.num_layers + 1):
             gib = cdiv(n * layer * 100, GiB) / 100
             plan = self.with_settings(cpu_offload_bytes=gib_to_bytes(gib))
             if plan.fits:
                 return "--cpu-offload-gb", f"{gib:.2f}", plan
         return None
+
+    def offload_cost(self) -> str:
+        """What the offloaded layers cost each step, in words."""
+        measured = self.device.h2d_bytes_per_s is not None
+        rate = f"{self.h2d_bytes_per_s / 1e9:.1f} GB/s"
+        rate += " host-to-device, measured" if measured else " (PCIe 4.0 x16, assumed: not measured here)"
+        return (f"each step copies {fmt_bytes(self.offloaded_weight_bytes)} from host memory: "
+                f"+{self.offload_step_ms:.0f} ms per step at {rate}")
 
     def effect(self, before: MemoryPlan | None = None) -> str:
         """What this plan's KV cache holds; with `before`, also the tokens gained over it."""
@@ -492,8 +550,12 @@ class MemoryPlan:
         label = f"model weights ({_dtype_name(s.dtype)}{', int8 decoder linears' if s.quantization else ''})"
         note = self.model.weights_source
         if self.offloaded_layers:
+            slots = device_slots(self.offloaded_layers)
             note += (f"; {self.offloaded_layers} of {self.model.num_layers} layers "
-                     f"({fmt_bytes(self.offloaded_weight_bytes)}) in host memory, one at a time on the device")
+                     f"({fmt_bytes(self.offloaded_weight_bytes)}) in host memory, through {slots} device "
+                     f"slot{'s' if slots > 1 else ''}")
+            if self.device.unified:
+                note += ": saves nothing on unified memory"
         return label, fmt_bytes(self.weight_bytes), note
 
     def table(self) -> str:
@@ -503,10 +565,11 @@ class MemoryPlan:
             (f"{kind} total" + (f" ({d.name})" if d.name else ""), fmt_bytes(d.total_bytes), d.source),
             (f"budget (gpu_memory_utilization {s.gpu_memory_utilization:g})", fmt_bytes(self.budget_bytes), ""),
             ("used by other processes and the OS", fmt_bytes(d.used_by_others_bytes), d.source),
+            *self._page_cache_rows(),
             self._weights_row(),
             (f"activation peak ({s.max_num_batched_tokens} tokens/step)", fmt_bytes(self.activation_bytes),
              m.activation_source),
-            ("runtime overhead", fmt_bytes(self.overhead_bytes), m.overhead_source),
+            self._overhead_row(),
             *self._component_rows(),
             ("left for the KV cache", fmt_bytes(self.kv_budget_bytes),
              "--kv-cache-memory" if s.kv_cache_memory_bytes is not None else ""),
@@ -534,9 +597,34 @@ class MemoryPlan:
                     and s.num_gpu_blocks_override is None):
                 lines.append(f"  no gpu_memory_utilization can fit it: {fmt_bytes(d.used_by_others_bytes)} of the "
                              f"{fmt_bytes(d.total_bytes)} is used elsewhere; free memory there first.")
+            if d.unified:
+                lines.append(f"  {UNIFIED_NO_OFFLOAD}: not offered.")
         else:
-            lines += self._preemption_lines()
+            lines += self._page_cache_lines() + self._preemption_lines()
         return "\n".join(lines)
+
+    def _page_cache_rows(self) -> list[tuple[str, str, str]]:
+        d = self.device
+        if not (d.unified or (d.shares_host_memory and d.page_cache_bytes)):
+            return []
+        return [("page cache (reclaimable)", fmt_bytes(d.page_cache_bytes),
+                 f"{d.source}; counted as free (the kernel reclaims it)")]
+
+    def _page_cache_lines(self) -> list[str]:
+        reclaimed = self.page_cache_reclaimed_bytes
+        if not reclaimed:
+            return []
+        return [f"  page cache: starting takes {fmt_bytes(reclaimed)} of the {fmt_bytes(self.device.page_cache_bytes)} "
+                f"page cache back (the kernel reclaims it as the engine allocates; to free it now, as root: "
+                f"`{DROP_CACHES}`)."]
+
+    def _overhead_row(self) -> tuple[str, str, str]:
+        d, m = self.device, self.model
+        if d.device != "cuda":
+            return "runtime overhead", fmt_bytes(self.overhead_bytes), m.overhead_source
+        what = "CUDA context, libraries" + (", process memory" if d.unified else "")
+        note = m.overhead_source if m.overhead_source == "measured" else f"{m.overhead_source} (the engine measures it)"
+        return f"runtime overhead ({what})", fmt_bytes(self.overhead_bytes), note
 
     def _component_rows(self) -> list[tuple[str, str, str]]:
         return [(f"{c.name} ({c.detail})" if c.detail else c.name, fmt_bytes(c.total_bytes),
@@ -558,11 +646,14 @@ class MemoryPlan:
 
     def _preemption_lines(self) -> list[str]:
         fixes = self.preemption_fixes()
-        if not fixes:
-            return []
         s = self.settings
         head = (f"  preemption: the KV cache holds {self.max_concurrency:.1f} of max_num_seqs {s.max_num_seqs} "
                 f"sequences of max_model_len {self.max_model_len}; past that, requests are preempted and recompute.")
+        if not fixes:
+            short = self.max_useful_blocks > self.num_blocks + self.num_swap_blocks
+            if self.device.unified and short and self.settings.num_gpu_blocks_override is None:
+                return [head, f"  {UNIFIED_NO_OFFLOAD}: not offered."]
+            return []
         return [head, "  fixes (keep preempted requests' K/V):"] + [f"    {f.flag} {f.value}: {f.effect}" for f in fixes]
 
     def to_json(self) -> dict:
@@ -572,6 +663,8 @@ class MemoryPlan:
             "unified_memory": self.device.unified,
             "device_total_bytes": self.device.total_bytes,
             "device_used_bytes": self.device.used_by_others_bytes,
+            "page_cache_bytes": self.device.page_cache_bytes,
+            "page_cache_reclaimed_bytes": self.page_cache_reclaimed_bytes,
             "budget_bytes": self.budget_bytes,
             "gpu_memory_utilization": self.settings.gpu_memory_utilization,
             "dtype": str(self.settings.dtype).removeprefix("torch."),
@@ -580,6 +673,8 @@ class MemoryPlan:
             "cpu_offload_bytes": self.settings.cpu_offload_bytes,
             "offloaded_layers": self.offloaded_layers,
             "offloaded_weight_bytes": self.offloaded_weight_bytes,
+            "offload_step_ms": self.offload_step_ms,
+            "h2d_bytes_per_s": self.device.h2d_bytes_per_s,
             "activation_peak_bytes": self.activation_bytes,
             "overhead_bytes": self.overhead_bytes,
             "components": [{"name": c.name, "weight_bytes": c.weight_bytes, "activation_peak_bytes": c.activation_bytes,
@@ -598,7 +693,9 @@ class MemoryPlan:
             "sources": {"weights": self.model.weights_source, "activation": self.model.activation_source,
                         "overhead": self.model.overhead_source, "device": self.device.source},
             "cause": self.cause,
-            "fixes": [{"flag": f.flag, "value": f.value, "effect": f.effect} for f in self.fixes()],
+            "fixes": [{"flag": f.flag, "value": f.value, "effect": f.effect}
+                      | ({"extra_step_ms": f.extra_step_ms} if f.extra_step_ms is not None else {})
+                      for f in self.fixes()],
             "swap_space_bytes": self.settings.swap_space_bytes,
             "swap_bytes": self.swap_bytes,
             "num_swap_blocks": self.num_swap_blocks,
@@ -607,3 +704,22 @@ class MemoryPlan:
             "preemption_fixes": [{"flag": f.flag, "value": f.value, "effect": f.effect}
                                  for f in self.preemption_fixes()],
         }
+
+
+def kv_allocation_failure(plan: MemoryPlan, error: str) -> str:
+    """Why allocating a KV cache the plan had room for failed, and what to do: memory was taken between
+    the measurement and the allocation (on unified memory: page cache the kernel did not give back)."""
+    d = plan.device
+    head = (f"No available memory for the cache blocks: allocating the planned KV cache "
+            f"({fmt_bytes(plan.kv_cache_bytes)} = {plan.num_blocks} blocks) failed ({error}) although the plan left "
+            f"room for it")
+    if d.shares_host_memory and d.page_cache_bytes:
+        cause = (f"the plan counted {fmt_bytes(d.page_cache_bytes)} of page cache as free, and the kernel did not "
+                 f"give enough of it back")
+        fix = (f"free the page cache first (as root: `{DROP_CACHES}`), or lower --gpu-memory-utilization below "
+               f"{plan.settings.gpu_memory_utilization:g}")
+    else:
+        cause = (f"another process took memory after the engine measured {fmt_bytes(d.used_by_others_bytes)} "
+                 f"in use by others")
+        fix = f"start when that memory is free, or lower --gpu-memory-utilization below {plan.settings.gpu_memory_utilization:g}"
+    return f"{head}: {cause}.\n  fix: {fix}.\n{plan.table()}"

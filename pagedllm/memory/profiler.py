@@ -1,7 +1,9 @@
 """Measuring what the engine itself uses: peak memory of a callable, and the runtime's overhead.
 
-CUDA: the caching allocator's peak counter. CPU: the process's resident-set high-water mark,
-reset just before the measurement through /proc/self/clear_refs (Linux >= 4.0).
+CUDA: the caching allocator's peak of reserved memory (what it takes from the device, segments and
+rounding included, not only the tensors' bytes), from an emptied cache. CPU: the process's
+resident-set high-water mark, reset just before the measurement through /proc/self/clear_refs
+(Linux >= 4.0).
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from pagedllm.memory.device import DeviceMemory, held_since
 
 
 def _status_bytes(key: str) -> int | None:
@@ -28,11 +32,12 @@ def measure_peak_bytes(fn: Callable[[], object], device: torch.device) -> int | 
     """Peak memory `fn` adds above what was in use when it started; None when it can't be measured."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
+        before = torch.cuda.memory_reserved(device)
         fn()
         torch.cuda.synchronize(device)
-        return max(0, torch.cuda.max_memory_allocated(device) - before)
+        return max(0, torch.cuda.max_memory_reserved(device) - before)
     _release_free_heap()  # so the run's allocations show up as new resident pages
     try:
         Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
@@ -56,10 +61,13 @@ def _release_free_heap() -> None:
         pass
 
 
-def runtime_overhead_bytes(device: torch.device, weight_bytes: int, others_at_start: int) -> int:
-    """Memory the engine holds besides its tensors' data: interpreter, libraries, CUDA context."""
+def runtime_overhead_bytes(device: torch.device, weight_bytes: int, at_start: DeviceMemory) -> int:
+    """Memory the engine holds besides its weights (`weight_bytes`: those in the device's memory). On a
+    GPU: all it holds on the device less the weights, measured after the profile run with the allocator's
+    cache emptied: the CUDA context, the kernels PyTorch and cuBLAS loaded, their workspaces, the
+    allocator's rounding (on unified memory also the process's own memory). On a CPU: the resident
+    set less the weights (interpreter, libraries)."""
     if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return max(0, total - free - others_at_start - torch.cuda.memory_reserved(device))
-    rss = rss_bytes()
-    return max(0, (rss or 0) - weight_bytes)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    return max(0, held_since(str(device), at_start) - weight_bytes)

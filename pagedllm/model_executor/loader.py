@@ -13,14 +13,16 @@ from pagedllm.config import ModelConfig
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, pack_linear_weights
 from pagedllm.model_executor.model_files import weight_files
 from pagedllm.model_executor.models.registry import get_model_class
-from pagedllm.model_executor.offload import offload_layers
+from pagedllm.model_executor.offload import HostLayer, offload_layers, offloaded_layer_indices
 from pagedllm.model_executor.quantization import quantize_model
 
 logger = logging.getLogger(__name__)
 
 
 def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    """Construct the model on `device` in the configured dtype, then load (or invent) its weights."""
+    """Construct the model on `device` in the configured dtype, then load (or invent) its weights.
+    Layers --cpu-offload-gb keeps in host memory are built there directly: the device never holds
+    them all at once."""
     _, model_cls = get_model_class(model_config.hf_config)
     model_cls.verify_config(model_config.hf_config, model_config.max_model_len)
     prev_dtype = torch.get_default_dtype()
@@ -30,47 +32,55 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
             model = model_cls(model_config.hf_config, max_positions=model_config.max_model_len)
     finally:
         torch.set_default_dtype(prev_dtype)
-    # int8 or offloaded weights are built in host memory: the device only ever holds their final form.
-    staged = device.type != "cpu" and (model_config.quantization is not None or model_config.cpu_offload_bytes > 0)
-    build_device = torch.device("cpu") if staged else device
-    model.to_empty(device=build_device)
+    # int8 weights are built in host memory: the device only ever holds their final form. Quantizing
+    # replaces the Linears' parameters, so their layers' host buffers are made after it.
+    quantized = model_config.quantization is not None
+    build_device = torch.device("cpu") if quantized and device.type != "cpu" else device
+    hosts = _materialize(model, build_device, 0 if quantized else model_config.cpu_offload_bytes)
     model.tie_weights()
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_tables()  # to_empty left the tables uninitialised
     if model_config.load_format == "dummy":
-        _init_dummy_weights(model, model_config.seed)
+        _init_dummy_weights(model, model_config.seed, device)
     else:
         _load_safetensors(model, model_config)
     model.eval()
-    _place_weights(model, model_config, device, build_device)
+    _place_weights(model, model_config, device, build_device, hosts)
     return model
 
 
+def _materialize(model: nn.Module, device: torch.device, offload_bytes: int) -> dict[int, HostLayer]:
+    """Give the meta model real (uninitialised) storage: the layers to offload in flat host buffers, the
+    rest on `device`. Returns the host buffers by layer index."""
+    layers = model.decoder_layers()
+    offloaded = {id(m) for i in offloaded_layer_indices(layers, offload_bytes) for m in layers[i].modules()}
+    for module in model.modules():
+        if id(module) not in offloaded:
+            module.to_empty(device=device, recurse=False)
+            continue
+        module.to_empty(device="cpu", recurse=False)  # untouched pages: no memory until written
+        for name, buf in module.named_buffers(recurse=False):  # buffers are not offloaded
+            setattr(module, name, torch.empty_like(buf, device=device))
+    return {i: HostLayer.build(layers[i], copy_values=False) for i in offloaded_layer_indices(layers, offload_bytes)}
+
+
 def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.device,
-                   build_device: torch.device) -> None:
+                   build_device: torch.device, hosts: dict[int, HostLayer]) -> None:
     """Quantize, keep the offloaded layers in host memory, move the rest to `device`; on CPU, pack."""
     if model_config.quantization is not None:
         quantize_model(model, model_config.quantization)
-    model.layer_offloads = offload_layers(model.decoder_layers(), model_config.cpu_offload_bytes, device)
-    if build_device != device:
-        kept = {id(p) for offload in model.layer_offloads for p, _ in offload.host}
+    layers = model.decoder_layers()
+    if build_device != device:  # staged in host memory: the offloaded layers' weights stay there
+        hosts = {i: HostLayer.build(layers[i]) for i in offloaded_layer_indices(layers, model_config.cpu_offload_bytes)}
+        kept = {id(p) for host in hosts.values() for p, _ in host.host}
         _move_to(model, device, kept)
+    model.layer_offloader = offload_layers(layers, model_config.cpu_offload_bytes, device, hosts)
+    model.layer_offloads = [] if model.layer_offloader is None else model.layer_offloader.hosts
     # Quantized layers are Int8Linear, not nn.Linear: packing leaves their int8 weights alone. The
     # offload hooks swap plain parameters, so with offloaded layers (CPU tests) nothing is packed.
     if device.type == "cpu" and not model.layer_offloads:
         model.packed_weight_bytes = pack_linear_weights(model)
-
-
-def _move_to(model: nn.Module, device: torch.device, kept: set[int]) -> None:
-    """Move parameters (except those whose id is in `kept`) and buffers to `device`."""
-    with torch.no_grad():
-        for p in model.parameters():
-            if id(p) not in kept:
-                p.data = p.data.to(device)
-        for module in model.modules():
-            for name, buf in module.named_buffers(recurse=False):
-                setattr(module, name, buf.to(device))
 
 
 def _iter_safetensors(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -100,9 +110,11 @@ def _load_safetensors(model: nn.Module, model_config: ModelConfig) -> None:
         )
 
 
-def _init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights from a fixed seed (norms at 1), for running a model's shape without its files."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> None:
+    """Random weights from a fixed seed (norms at 1), for running a model's shape without its files.
+    Drawn on `device` whatever memory a weight lives in (host-staged or offloaded ones are drawn there
+    and copied), so the values do not depend on where the weights live, and drawing is fast on a GPU."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, RMSNorm):
@@ -112,5 +124,7 @@ def _init_dummy_weights(model: nn.Module, seed: int) -> None:
                 continue
             if name.endswith(".bias"):
                 param.zero_()
-            else:
+            elif param.device == device:
                 param.normal_(0.0, 0.02, generator=gen)
+            else:
+                param.copy_(torch.empty_like(param, device=device).normal_(0.0, 0.02, generator=gen))

@@ -80,6 +80,12 @@ class ModelRunner:
         """The part of weight_bytes kept in host memory by --cpu-offload-gb."""
         return sum(offload.num_bytes for offload in self.model.layer_offloads)
 
+    @property
+    def offload_slot_bytes(self) -> int:
+        """Device memory the offloaded layers pass through (--cpu-offload-gb)."""
+        offloader = getattr(self.model, "layer_offloader", None)
+        return 0 if offloader is None else offloader.slot_bytes
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """One tensor for every layer's K and V (kv_cache_shape); each attention layer gets views of its slice."""
         m = self.config.model
@@ -222,8 +228,25 @@ class ModelRunner:
             else:
                 profile_audio_sampling(logits, spec, torch.Generator(self.device))  # not the engine's draws
 
+        def decode_step(n: int) -> None:
+            """`n` one-token sequences: loads the kernels decode steps of that size use (cuBLAS picks them by
+            row count), outside the measured peak, so that the runtime overhead measured next has them."""
+            meta = build_attention_metadata([0] * n, [1] * n, [[0]] * n, self.block_size, self.device)
+            with forward_context(meta):
+                hidden = self.model(ids[:n], meta.positions, **({} if spec is None else
+                                    profile_audio_inputs(n, spec, self.device)))
+            logits = self.model.compute_logits(hidden)
+            if spec is None:
+                self.sampler(logits, fake[:n])
+
+        # Every power of two up to `rows` on a GPU (kernels load lazily there); one size on a CPU.
+        decode_sizes = sorted({rows, *(1 << k for k in range(rows.bit_length()) if 1 << k < rows)}) \
+            if self.device.type == "cuda" else [rows]
         try:
-            return measure_peak_bytes(step, self.device)
+            peak = measure_peak_bytes(step, self.device)
+            for n in decode_sizes:
+                decode_step(n)
+            return peak
         finally:
             self.release_kv_cache()
 

@@ -116,3 +116,47 @@ def test_num_gpu_blocks_override_is_used_as_is(tiny_models):
     assert llm.llm_engine.runner.kv_cache.shape[3] == 9 * 16
     with pytest.raises(KVCacheMemoryError, match=r"^The model's max seq len \(64\)"):
         LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64, num_gpu_blocks_override=3)
+
+
+def test_failed_kv_cache_allocation_is_a_kv_cache_memory_error(tiny_models, monkeypatch):
+    """Memory taken between the plan and the allocation: a KVCacheMemoryError that says so, not a raw OOM."""
+    from pagedllm.model_executor.model_runner import ModelRunner
+
+    def no_memory(self, num_blocks):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore details")
+    from dataclasses import replace
+
+    from pagedllm.engine import llm_engine
+
+    monkeypatch.setattr(ModelRunner, "allocate_kv_cache", no_memory)
+    measured = llm_engine.device_memory
+    monkeypatch.setattr(llm_engine, "device_memory", lambda d: replace(measured(d), page_cache_bytes=0))
+    with pytest.raises(KVCacheMemoryError) as e:
+        LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=64, kv_cache_memory="1MiB")
+    msg = str(e.value)
+    assert msg.startswith("No available memory for the cache blocks: allocating the planned KV cache")
+    assert "(CUDA out of memory. Tried to allocate 20.00 GiB)" in msg
+    assert "another process took memory after the engine measured" in msg and "left for the KV cache" in msg
+    # With page cache in the device's memory, that is what the kernel did not give back.
+    monkeypatch.setattr(llm_engine, "device_memory", lambda d: replace(measured(d), page_cache_bytes=5 << 30))
+    with pytest.raises(KVCacheMemoryError, match="(?s)counted 5.00 GiB of page cache as free.*drop_caches"):
+        LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=64, kv_cache_memory="1MiB")
+
+
+def test_cpu_offload_is_refused_on_unified_memory(tiny_models, monkeypatch):
+    """On an integrated GPU the host memory is the device's: offloading would move nothing. Refused before
+    any weight is loaded."""
+    from dataclasses import replace
+
+    from pagedllm.engine import llm_engine
+    from pagedllm.memory.device import DeviceMemory
+    from pagedllm.model_executor import model_runner
+
+    monkeypatch.setattr(llm_engine, "device_memory", lambda device: DeviceMemory(
+        "cuda", 119 << 30, 30 << 30, unified=True, name="NVIDIA GB10", page_cache_bytes=60 << 30))
+    monkeypatch.setattr(model_runner, "load_model", lambda *a: pytest.fail("loaded weights"))
+    config = EngineArgs(model=str(tiny_models["llama"]), dtype="float32", max_model_len=64,
+                        device="cpu").create_engine_config()
+    config = replace(config, model=replace(config.model, cpu_offload_bytes=1 << 30))
+    with pytest.raises(ValueError, match="--cpu-offload-gb has nothing to do on NVIDIA GB10: its memory is unified"):
+        llm_engine.LLMEngine(config)
