@@ -19,7 +19,7 @@ from pagedllm.memory.plan import MiB, DeviceFacts, MemoryPlan, ModelFacts, PlanS
 # Runtime overhead a dry run assumes: on a GPU the CUDA context, the kernels PyTorch and cuBLAS load
 # and their workspaces (an H200 with torch 2.11 / CUDA 13: see docs/benchmarks.md); the Python
 # interpreter, torch and tokenizer on a CPU. The engine measures its own.
-ESTIMATED_OVERHEAD = {"cuda": 640 * MiB, "cpu": 512 * MiB}
+ESTIMATED_OVERHEAD = {"cuda": 768 * MiB, "cpu": 512 * MiB}
 
 
 def device_facts(mem: DeviceMemory, source: str = "measured", host: DeviceMemory | None = None,

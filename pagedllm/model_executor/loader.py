@@ -124,7 +124,7 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
                 continue
             if name.endswith(".bias"):
                 param.zero_()
-            elif param.device == device:
+            elif param.device.type == device.type:
                 param.normal_(0.0, 0.02, generator=gen)
             else:
                 param.copy_(torch.empty_like(param, device=device).normal_(0.0, 0.02, generator=gen))
