@@ -112,7 +112,7 @@ class LLMEngine:
             activation = estimate_activation_bytes(config.model.hf_config, settings.dtype,
                                                    settings.max_num_batched_tokens, settings.max_num_seqs)
         facts = measured_model_facts(config.model.hf_config, config.model.model_max_len, settings, weights,
-                                     activation, overhead, source)
+                                     activation, overhead, source, device.type)
         host = host_memory() if device.type != "cpu" else None  # where a GPU's swap space goes
         return with_measured_offload_cost(MemoryPlan(settings, device_facts(at_start, host=host), facts))
 

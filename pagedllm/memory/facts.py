@@ -17,9 +17,26 @@ from pagedllm.memory.model_size import (
 from pagedllm.memory.plan import MiB, DeviceFacts, MemoryPlan, ModelFacts, PlanSettings
 
 # Runtime overhead a dry run assumes: on a GPU the CUDA context, the kernels PyTorch and cuBLAS load
-# and their workspaces (an H200 with torch 2.11 / CUDA 13: see docs/benchmarks.md); the Python
-# interpreter, torch and tokenizer on a CPU. The engine measures its own.
-ESTIMATED_OVERHEAD = {"cuda": 768 * MiB, "cpu": 512 * MiB}
+# and their workspaces; the Python interpreter, torch and tokenizer on a CPU. The engine measures its
+# own. Measured on an H200 (torch 2.11, CUDA 13, Llama-3.1-8B shape, docs/benchmarks.md): 855-876 MiB.
+ESTIMATED_OVERHEAD = {"cuda": 896 * MiB, "cpu": 512 * MiB}
+# Page-locked host memory is mapped into the GPU's address space: --cpu-offload-gb's host buffers add
+# to the device-side overhead (H200: +80 MiB for 11.78 GiB offloaded, ~0.7%).
+CUDA_OFFLOAD_MAPPING_SHARE = 0.008
+# The caching allocator takes device memory in segments: its reserved peak over a profile step is
+# above the live tensors that estimate_activation_bytes models (H200, Llama-3.1-8B, 2048 tokens and
+# 256 sampled rows: 1580 MiB reserved for 1355 MiB estimated, 1.17x).
+CUDA_ALLOCATOR_SHARE = 1.2
+
+
+def estimated_overhead_bytes(device: str, cpu_offload_bytes: int = 0) -> int:
+    base = ESTIMATED_OVERHEAD.get(device, 512 * MiB)
+    return base + offload_mapping_bytes(device, cpu_offload_bytes)
+
+
+def offload_mapping_bytes(device: str, cpu_offload_bytes: int) -> int:
+    """Device memory the mapping of --cpu-offload-gb's page-locked host buffers takes."""
+    return int(cpu_offload_bytes * CUDA_OFFLOAD_MAPPING_SHARE) if device.startswith("cuda") else 0
 
 
 def device_facts(mem: DeviceMemory, source: str = "measured", host: DeviceMemory | None = None,
@@ -46,17 +63,18 @@ def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int,
         weight_bytes=lambda s: all_bytes(s.dtype, s.quantization) // s.tensor_parallel_size,
         layer_weight_bytes=lambda s: layer_bytes(s.dtype, s.quantization) // s.tensor_parallel_size,
         num_layers=hf_config.num_hidden_layers,
-        activation_bytes=lambda s: estimate_activation_bytes(hf_config, s.dtype, s.max_num_batched_tokens,
-                                                             s.max_num_seqs, s.tensor_parallel_size),
-        overhead_bytes=lambda s: ESTIMATED_OVERHEAD.get(device, 512 * MiB),
+        activation_bytes=lambda s: int(estimate_activation_bytes(hf_config, s.dtype, s.max_num_batched_tokens,
+                                                                 s.max_num_seqs, s.tensor_parallel_size)
+                                       * (CUDA_ALLOCATOR_SHARE if device.startswith("cuda") else 1)),
+        overhead_bytes=lambda s: estimated_overhead_bytes(device, s.cpu_offload_bytes),
         kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.kv_dtype, s.tensor_parallel_size),
         weights_source=weights_source,
     )
 
 
 def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSettings, weight_bytes: int,
-                         activation_bytes: int, overhead_bytes: int, activation_source: str = "measured"
-                         ) -> ModelFacts:
+                         activation_bytes: int, overhead_bytes: int, activation_source: str = "measured",
+                         device: str = "cpu") -> ModelFacts:
     """Numbers the engine measured at `measured_at`; other settings (a lever being tried) scale them
     by the ratio of the estimates, so fixes stay consistent with what was measured."""
 
@@ -83,7 +101,8 @@ def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSetting
         layer_weight_bytes=lambda s: layer_weight_bytes_from_config(hf_config, s.dtype, s.quantization),
         num_layers=hf_config.num_hidden_layers,
         activation_bytes=activations,
-        overhead_bytes=lambda s: overhead_bytes,
+        overhead_bytes=lambda s: overhead_bytes + offload_mapping_bytes(device, s.cpu_offload_bytes)
+        - offload_mapping_bytes(device, measured_at.cpu_offload_bytes),
         kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.kv_dtype, s.tensor_parallel_size),
         weights_source="measured",
         activation_source=activation_source,
