@@ -121,18 +121,24 @@ def part_parity() -> None:
                 torch.cuda.empty_cache()
 
 
+def hold_memory(gib: float) -> subprocess.Popen:
+    """Another process holding `gib` GiB of the device until killed."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import torch,time,sys\n"
+        f"x=torch.empty(int({gib}*2**30),dtype=torch.uint8,device='{DEV}')\n"
+        "print('held',flush=True)\ntime.sleep(900)\n")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def part_seed() -> None:
     """The seed's failure on a real GPU: another process holds most of the memory, then the engine starts."""
     from pagedllm import LLM, SamplingParams
 
     model = "qwen2.5-0.5b" if SMOKE else "llama-3.1-8b"
     hold_gib = 0.1 if SMOKE else float(os.environ.get("GPUCHECK_HOLD_GIB", "105"))
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import torch,time,sys\n"
-        f"x=torch.empty(int({hold_gib}*2**30),dtype=torch.uint8,device='{DEV}')\n"
-        "print('held',flush=True)\ntime.sleep(900)\n")], stdout=subprocess.PIPE, text=True)
+    holder = hold_memory(hold_gib)
     try:
-        assert holder.stdout.readline().strip() == "held"
         plan_cmd = [sys.executable, "-m", "pagedllm", "plan", model, "--device", DEV, "--dtype", "bfloat16",
                     "--gpu-memory-utilization", "0.8", "--max-model-len", "2048", "--json"]
         p = subprocess.run(plan_cmd, capture_output=True, text=True, timeout=300)
@@ -546,12 +552,8 @@ def part_seed2() -> None:
     for --cpu-offload-gb the plan's estimate of the per-step cost beside the measured one."""
     model = "qwen2.5-0.5b" if SMOKE else "llama-3.1-8b"
     hold_gib = 0.1 if SMOKE else float(os.environ.get("GPUCHECK_HOLD_GIB", "105"))
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import torch,time,sys\n"
-        f"x=torch.empty(int({hold_gib}*2**30),dtype=torch.uint8,device='{DEV}')\n"
-        "print('held',flush=True)\ntime.sleep(900)\n")], stdout=subprocess.PIPE, text=True)
+    holder = hold_memory(hold_gib)
     try:
-        assert holder.stdout.readline().strip() == "held"
         common = [model, "--device", DEV, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.8",
                   "--max-model-len", "2048"]
         rc, out, err = _sub(["-m", "pagedllm", "plan", *common, "--json"], 300)
