@@ -144,6 +144,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     enforce_eager: bool = False
+    attention_backend: str = "auto"  # --attention-backend: auto, torch, cpu, triton (model_executor/attention)
 
     def __post_init__(self) -> None:
         mode, swap = self.scheduler.preemption_mode, self.cache.swap_space_bytes

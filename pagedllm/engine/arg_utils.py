@@ -63,6 +63,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto (the model dtype), bfloat16, float16, float32, fp8, fp8_e4m3, fp8_e5m2
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto, torch, cpu or triton: how attention is computed (chosen at start)
     load_format: str = "auto"
     device: str = "auto"
     quantization: str | None = None  # "int8": weight-only int8 decoder Linears, quantized at load
@@ -122,7 +123,15 @@ class EngineArgs:
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                     max_model_len=max_model_len, preemption_mode=self.preemption_mode)
         return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, device=device,
-                            enforce_eager=self.enforce_eager)
+                            enforce_eager=self.enforce_eager, attention_backend=self._attention_backend())
+
+    def _attention_backend(self) -> str:
+        from pagedllm.model_executor.attention import ATTENTION_BACKENDS
+
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; "
+                             f"got {self.attention_backend!r}.")
+        return self.attention_backend
 
     def _verify_quantization(self, hf_config) -> None:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -32,6 +32,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of prompts' shared prefixes (full blocks); on by default")
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
+                   help="how attention is computed: torch (PyTorch ops, any device), cpu (native CPU kernels), "
+                        "triton (CUDA kernels reading the paged cache in place); auto: triton on CUDA, cpu on "
+                        "a CPU, else torch")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),

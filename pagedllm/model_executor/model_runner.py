@@ -10,7 +10,13 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.request import Request
 from pagedllm.engine.scheduler import SchedulerOutput
 from pagedllm.memory.profiler import measure_peak_bytes
-from pagedllm.model_executor.attention import bind_kv_cache, build_attention_metadata, forward_context, kv_cache_shape
+from pagedllm.model_executor.attention import (
+    AttentionShape,
+    bind_kv_cache,
+    forward_context,
+    kv_cache_shape,
+    select_attention_backend,
+)
 from pagedllm.model_executor.audio_runner import (
     audio_forward_inputs,
     profile_audio_inputs,
@@ -49,6 +55,9 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
+        m = config.model  # the attention backend is chosen (or refused) before any weight is loaded
+        self.attn_backend = select_attention_backend(config.attention_backend, AttentionShape(
+            self.device, m.hf_config.num_attention_heads, m.num_kv_heads, m.head_dim, m.dtype, config.kv_cache_dtype))
         self.model = load_model(config.model, self.device)
         self.sampler = Sampler(self.device, config.model.seed)
         # Multi-codebook audio models: frames in and out (audio_runner); None for text models.
@@ -150,7 +159,7 @@ class ModelRunner:
             lengths.append(s.num_new_tokens)
             tables.append(s.block_table)
             input_ids.extend(s.request.all_token_ids[c:c + s.num_new_tokens])
-        meta = build_attention_metadata(starts, lengths, tables, self.block_size, self.device)
+        meta = self.attn_backend.build_metadata(starts, lengths, tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         audio = {} if self.audio_spec is None else audio_forward_inputs(
             [s.request for s in step.scheduled], starts, lengths, self.audio_spec.num_codebooks, self.device)
@@ -219,7 +228,7 @@ class ModelRunner:
         audio = {} if spec is None else profile_audio_inputs(sum(lengths), spec, self.device)
 
         def step() -> None:
-            meta = build_attention_metadata([0] * len(lengths), lengths, tables, self.block_size, self.device)
+            meta = self.attn_backend.build_metadata([0] * len(lengths), lengths, tables, self.block_size, self.device)
             with forward_context(meta):
                 hidden = self.model(ids, meta.positions, **audio)
             logits = self.model.compute_logits(hidden[:rows])
@@ -231,7 +240,7 @@ class ModelRunner:
         def decode_step(n: int) -> None:
             """`n` one-token sequences: loads the kernels decode steps of that size use (cuBLAS picks them by
             row count), outside the measured peak, so that the runtime overhead measured next has them."""
-            meta = build_attention_metadata([0] * n, [1] * n, [[0]] * n, self.block_size, self.device)
+            meta = self.attn_backend.build_metadata([0] * n, [1] * n, [[0]] * n, self.block_size, self.device)
             with forward_context(meta):
                 hidden = self.model(ids[:n], meta.positions, **({} if spec is None else
                                     profile_audio_inputs(n, spec, self.device)))

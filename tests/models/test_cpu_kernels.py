@@ -9,13 +9,18 @@ import logging
 import pytest
 import torch
 
-from pagedllm.model_executor import attention as attention_module
 from pagedllm.model_executor import cpu_kernels as cpu_kernels_module
 from pagedllm.model_executor.attention import (
+    AttentionShape,
     PagedAttention,
+    TorchAttentionBackend,
     build_attention_metadata,
     forward_context,
+    select_attention_backend,
+    unsupported_reason,
 )
+from pagedllm.model_executor.attention import cpu_backend as cpu_backend_module
+from pagedllm.model_executor.attention.cpu_backend import CpuAttentionBackend
 from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.utils import cdiv
 
@@ -30,44 +35,47 @@ def _attention(heads, kv_heads, head_dim, dtype, num_blocks, block_size, gen):
 
 
 def _step(starts, lengths, block_size, num_blocks, gen):
-    """Metadata of one step with each request's blocks scattered over the pool."""
+    """One step with each request's blocks scattered over the pool: (starts, lengths, tables, block_size)."""
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, used = [], 0
     for s, n in zip(starts, lengths):
         count = cdiv(s + n, block_size)
         tables.append(perm[used:used + count])
         used += count
-    return build_attention_metadata(starts, lengths, tables, block_size, CPU)
+    return starts, lengths, tables, block_size
 
 
-def _run(attn, meta, q, k, v, use_kernel: bool, monkeypatch):
-    with monkeypatch.context() as m:
-        if not use_kernel:
-            m.setattr(PagedAttention, "_decode_kernel", lambda self, q: None)
-        cache = attn.k_cache.clone(), attn.v_cache.clone()  # each run writes this step's K/V afresh
-        attn.k_cache, attn.v_cache = cache
+def _run(attn, step, q, k, v, use_kernel: bool):
+    """The step through the cpu backend (native kernels) or the torch backend (its twin)."""
+    backend = CpuAttentionBackend() if use_kernel else TorchAttentionBackend()
+    meta = build_attention_metadata(*step, CPU, backend)
+    k_cache, v_cache = attn.k_cache, attn.v_cache
+    attn.k_cache, attn.v_cache = k_cache.clone(), v_cache.clone()  # each run writes this step's K/V afresh
+    try:
         with forward_context(meta):
             return attn(q, k, v)
+    finally:
+        attn.k_cache, attn.v_cache = k_cache, v_cache
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (8, 8, 128), (6, 2, 32), (16, 1, 96), (4, 2, 256), (4, 1, 80)])
 @pytest.mark.parametrize("block_size", [16, 12])
-def test_decode_kernel_matches_the_pytorch_path(dtype, tol, heads, kv_heads, head_dim, block_size, monkeypatch):
+def test_decode_kernel_matches_the_pytorch_path(dtype, tol, heads, kv_heads, head_dim, block_size):
     assert cpu_kernels() is not None, "the C++ kernels must build on this machine (gcc and Python headers)"
     gen = torch.Generator().manual_seed(0)
     num_blocks = 200
     attn = _attention(heads, kv_heads, head_dim, dtype, num_blocks, block_size, gen)
     # Keys seen per request: 1 (a first token), a partial block, exactly one block, many blocks.
     starts = [0, 5, block_size - 1, 3 * block_size - 1, 150, 97]
-    meta = _step(starts, [1] * len(starts), block_size, num_blocks, gen)
-    assert meta.groups[0].covers_step
+    step = _step(starts, [1] * len(starts), block_size, num_blocks, gen)
+    assert build_attention_metadata(*step, CPU).groups[0].covers_step
     n = len(starts)
     q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
     k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
     v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
-    ours = _run(attn, meta, q, k, v, True, monkeypatch)
-    twin = _run(attn, meta, q, k, v, False, monkeypatch)
+    ours = _run(attn, step, q, k, v, True)
+    twin = _run(attn, step, q, k, v, False)
     assert ours.dtype == dtype and ours.shape == (n, heads, head_dim)
     torch.testing.assert_close(ours.float(), twin.float(), rtol=tol, atol=tol)
 
@@ -93,29 +101,44 @@ def test_decode_kernel_ignores_what_lies_past_the_last_key(head_dim):
     assert torch.equal(dirty, clean)
 
 
-def test_decode_kernel_in_a_step_with_prefill_chunks(monkeypatch):
+def test_decode_kernel_in_a_step_with_prefill_chunks():
     """Decodes beside prefill chunks: the kernel's rows land at their tokens, the chunks are untouched."""
     gen = torch.Generator().manual_seed(1)
     attn = _attention(8, 2, 64, torch.float32, 64, 16, gen)
     starts, lengths = [40, 0, 17, 3], [1, 9, 1, 5]
-    meta = _step(starts, lengths, 16, 64, gen)
+    step = _step(starts, lengths, 16, 64, gen)
+    meta = build_attention_metadata(*step, CPU)
     assert [g.is_decode for g in meta.groups] == [True, False] and not meta.groups[0].covers_step
     tokens = sum(lengths)
     q, k, v = (torch.randn(tokens, h, 64, generator=gen) for h in (8, 2, 2))
-    ours = _run(attn, meta, q, k, v, True, monkeypatch)
-    twin = _run(attn, meta, q, k, v, False, monkeypatch)
+    ours = _run(attn, step, q, k, v, True)
+    twin = _run(attn, step, q, k, v, False)
     torch.testing.assert_close(ours, twin, rtol=2e-6, atol=2e-6)
 
 
-def test_decode_kernel_is_used_only_where_it_applies():
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randn(2, 4, 64)
-    attn = _attention(4, 2, 64, torch.float32, 4, 16, gen)
-    assert attn._decode_kernel(q) is not None
-    attn.k_cache = attn.k_cache.to(torch.bfloat16)  # a cache in another dtype than the queries
-    assert attn._decode_kernel(q) is None
-    odd = _attention(4, 2, 48, torch.float32, 4, 16, gen)  # a head size it is not built for
-    assert odd._decode_kernel(torch.randn(2, 4, 48)) is None
+def _shape(head_dim=64, dtype=torch.float32, kv_dtype=None):
+    return AttentionShape(CPU, 4, 2, head_dim, dtype, kv_dtype or dtype)
+
+
+def test_cpu_backend_is_chosen_only_where_its_kernels_apply():
+    """Where the native kernels cannot run the model, the cpu backend is refused with the reason (auto
+    takes torch): never a silent switch to other arithmetic inside a step."""
+    assert unsupported_reason("cpu", _shape()) is None
+    assert select_attention_backend("auto", _shape()).name == "cpu"
+    cases = {
+        "not bfloat16": _shape(kv_dtype=torch.bfloat16),  # a cache in another dtype than the queries
+        "not float8_e4m3fn": _shape(kv_dtype=torch.float8_e4m3fn),
+        "not 48": _shape(head_dim=48),  # a head size the decode kernel is not built for
+        "not float16": _shape(dtype=torch.float16),
+    }
+    for words, shape in cases.items():
+        assert words in unsupported_reason("cpu", shape)
+        assert select_attention_backend("auto", shape).name == "torch"
+        with pytest.raises(ValueError, match=f"--attention-backend cpu cannot run this model here: .*{words}.*"
+                                             f"Backends that can: torch"):
+            select_attention_backend("cpu", shape)
+    cuda = AttentionShape(torch.device("cuda"), 4, 2, 64, torch.float32, torch.float32)
+    assert unsupported_reason("cpu", cuda) == "it runs on the CPU only"
 
 
 def test_kernels_off_by_environment(monkeypatch):
@@ -123,7 +146,8 @@ def test_kernels_off_by_environment(monkeypatch):
     cpu_kernels.cache_clear()
     try:
         assert cpu_kernels() is None
-        assert _attention(4, 2, 64, torch.float32, 4, 16, torch.Generator())._decode_kernel(torch.randn(1, 4, 64)) is None
+        assert "could not be built" in unsupported_reason("cpu", _shape())
+        assert select_attention_backend("auto", _shape()).name == "torch"
     finally:
         cpu_kernels.cache_clear()
 
@@ -144,7 +168,7 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
         monkeypatch.undo()
         cpu_kernels.cache_clear()
     assert cpu_kernels() is not None  # built again from the disk cache once the builder works
-    assert attention_module.cpu_kernels is cpu_kernels
+    assert cpu_backend_module.cpu_kernels is cpu_kernels
 
 
 def test_a_lock_left_by_an_interrupted_build_is_removed(monkeypatch, tmp_path, caplog):

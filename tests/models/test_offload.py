@@ -118,8 +118,9 @@ def test_offloaded_layers_run_in_any_number_and_after_a_failed_forward(four_laye
     engine = _engine(four_layers, 3 * layer_bytes)
     layers = engine.runner.model.decoder_layers()
     hook = layers[2].register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(RuntimeError("boom")))
-    meta = build_attention_metadata([0], [2], [[0]], engine.config.cache.block_size, torch.device("cpu"))
-    with pytest.raises(RuntimeError, match="boom"), forward_context(meta):
+    meta = build_attention_metadata([0], [2], [[0]], engine.config.cache.block_size, torch.device("cpu"),
+                                    engine.runner.attn_backend)
+    with pytest.raises(RuntimeError, match="boom"), forward_context(meta), torch.inference_mode():
         engine.runner.model(torch.tensor([5, 6]), meta.positions)  # layer 1 ran from its slot, then 2 raised
     hook.remove()
     host = engine.runner.model.layer_offloads

@@ -1,0 +1,31 @@
+"""The `cpu` attention backend: the torch backend's groups, with cpu_kernels' native ops where they
+apply: decode groups attend straight from the cache through the block tables (no gathered copy of
+K/V), and each layer's K/V rows are written by one native call. Prefill groups use the torch path.
+It needs a cache in the model dtype and a head size the decode kernel is built for (the selector
+refuses it otherwise)."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm.model_executor.attention.layer import PagedAttention
+from pagedllm.model_executor.attention.torch_backend import TorchAttentionBackend
+from pagedllm.model_executor.cpu_kernels import cpu_kernels
+
+DECODE_KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # those cpu_kernels' decode attention is compiled for
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.kernels = cpu_kernels()
+        if self.kernels is None:
+            raise RuntimeError("the native CPU kernels could not be built")
+
+    def write_kv(self, layer: PagedAttention, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One native call for both (batch 64, Qwen2.5-0.5B shapes: 14 us against 56 us for two
+        index_copy_ calls, per layer)."""
+        self.kernels.write_kv_cache(layer.k_cache, layer.v_cache, slots, k, v)
+
+    def decode_kernel(self, layer: PagedAttention, q: torch.Tensor):
+        return self.kernels.paged_decode_attention

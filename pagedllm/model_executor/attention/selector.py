@@ -1,0 +1,99 @@
+"""Choosing the attention backend once, at start (`--attention-backend`): a backend that cannot run the
+model on this device is refused with the reason and the backends that can; `auto` takes the first
+that can of triton, torch (CUDA) or cpu, torch (CPU). Never a silent fallback inside a step."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.model_executor.attention.base import AttentionBackend
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+TRITON_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What a backend must support: the model's attention and where it runs."""
+
+    device: torch.device
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's (queries)
+    kv_dtype: torch.dtype  # the KV cache's
+
+
+def unsupported_reason(name: str, shape: AttentionShape) -> str | None:
+    """Why backend `name` cannot run `shape`; None when it can."""
+    if name == "torch":
+        return None
+    if name == "cpu":
+        from pagedllm.model_executor.attention.cpu_backend import DECODE_KERNEL_HEAD_DIMS
+        from pagedllm.model_executor.cpu_kernels import cpu_kernels
+
+        if shape.device.type != "cpu":
+            return "it runs on the CPU only"
+        if shape.dtype not in (torch.float32, torch.bfloat16):
+            return f"its kernels compute in float32 or bfloat16, not {_name(shape.dtype)}"
+        if shape.kv_dtype != shape.dtype:
+            return f"its kernels read a KV cache in the model dtype ({_name(shape.dtype)}), not {_name(shape.kv_dtype)}"
+        if shape.head_dim not in DECODE_KERNEL_HEAD_DIMS:
+            return (f"its decode kernel is built for head sizes {', '.join(map(str, DECODE_KERNEL_HEAD_DIMS))}, "
+                    f"not {shape.head_dim}")
+        if cpu_kernels() is None:
+            return "the native CPU kernels could not be built here (see the warning above)"
+        return None
+    if name == "triton":
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        if shape.device.type != "cuda" and not (shape.device.type == "cpu" and interpreted):
+            return "it runs on CUDA GPUs (on the CPU only under TRITON_INTERPRET=1, for tests)"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "Triton is not installed (it comes with PyTorch's CUDA builds; `pip install triton`)"
+        if shape.head_dim > TRITON_MAX_HEAD_DIM:
+            return f"its kernels take head sizes up to {TRITON_MAX_HEAD_DIM}, not {shape.head_dim}"
+        if shape.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return f"its kernels compute in float32, bfloat16 or float16, not {_name(shape.dtype)}"
+        return None
+    raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}.")
+
+
+def select_attention_backend(name: str, shape: AttentionShape) -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}.")
+    reasons = {b: unsupported_reason(b, shape) for b in ATTENTION_BACKENDS[1:]}
+    if name == "auto":
+        order = ("triton", "torch") if shape.device.type == "cuda" else ("cpu", "torch")
+        name = next(b for b in order if reasons[b] is None)
+        skipped = [f"{b} ({reasons[b]})" for b in order[:order.index(name)]]
+        logger.info("attention backend: %s%s", name, f" (not {'; '.join(skipped)})" if skipped else "")
+    elif reasons[name] is not None:
+        able = [b for b, why in reasons.items() if why is None]
+        raise ValueError(f"--attention-backend {name} cannot run this model here: {reasons[name]}. Backends that "
+                         f"can: {', '.join(able)} (or auto).")
+    return _make(name, shape.device)
+
+
+def _make(name: str, device: torch.device) -> AttentionBackend:
+    if name == "torch":
+        from pagedllm.model_executor.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "cpu":
+        from pagedllm.model_executor.attention.cpu_backend import CpuAttentionBackend
+
+        return CpuAttentionBackend()
+    from pagedllm.model_executor.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(device)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
