@@ -1,11 +1,13 @@
-"""Greedy tokens and logprobs identical to transformers (fp32), for every architecture, under every
-scheduling regime: one big step, chunked prefill, preemption, and several block sizes; and bf16
+"""Greedy tokens and logprobs identical to transformers (fp32), for every architecture and attention
+backend, under every scheduling regime: one big step, chunked prefill, preemption, and several block
+sizes; and bf16
 logprobs within bf16 noise of transformers in bf16 (the CPU's packed kernels)."""
 from __future__ import annotations
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.model_executor.attention.cpu_backend import DECODE_KERNEL_HEAD_DIMS
 from tests.helpers import ARCHS, hf_greedy, make_tiny_model
 
 # Different lengths, so batching pads and chunking splits prompts at different places.
@@ -46,11 +48,18 @@ def _check_against_reference(llm: LLM, path) -> None:
     assert llm.llm_engine.kv_cache.num_free_blocks == llm.llm_engine.memory_plan.num_blocks
 
 
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
 @pytest.mark.parametrize("regime", list(REGIMES))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_transformers(tiny_models, arch, regime):
+def test_greedy_matches_transformers(tiny_models, arch, regime, backend):
+    """Every attention backend (triton's kernels under Triton's interpreter here). auto is the cpu
+    backend where its decode kernel has the model's head size (mistral, qwen3: 32), else torch (llama,
+    qwen2: 16, which the cpu backend refuses)."""
     kwargs = dict(dtype="float32", max_model_len=64, num_gpu_blocks_override=512) | REGIMES[regime]
-    llm = LLM(str(tiny_models[arch]), **kwargs)
+    llm = LLM(str(tiny_models[arch]), attention_backend=backend, **kwargs)
+    head_dim = llm.llm_engine.config.model.head_dim
+    chosen = ("cpu" if head_dim in DECODE_KERNEL_HEAD_DIMS else "torch") if backend == "auto" else backend
+    assert llm.llm_engine.runner.attn_backend.name == chosen
     _check_against_reference(llm, tiny_models[arch])
     if regime == "preemption":
         assert llm.llm_engine.scheduler.num_preemptions > 0
