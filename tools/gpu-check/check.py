@@ -1,11 +1,13 @@
 """GPU check of pagedllm: one part per call, results as JSON lines on stdout and in $OUT.
 
-Parts: env, parity, seed, planacc, throughput, latency, profile, audio, serve; and (issue 21, memory truth)
-memprobe, offload_parity, planacc2, seed2. Run from the project's root (pagedllm importable).
+Parts: env, parity, seed, planacc, throughput, latency, profile, audio, serve; (issue 21, memory truth)
+memprobe, offload_parity, planacc2, seed2; (issue 22, attention backends) parity_triton, attnbench, tput. Run from the project's root (pagedllm importable).
 GPUCHECK_SMOKE=1 runs every part on CPU with tiny sizes, to test this script without a GPU.
 
-This is ../shared/gpu-check/check.py with the issue-21 parts added (at the end). To use it: run the shared
-prepare.sh, then copy this file over .gpu/check.py.
+This is ../shared/gpu-check/check.py with the issue-21 and issue-22 parts added (at the end). To use it: run
+the shared prepare.sh, copy this file over .gpu/check.py, and (parity_triton imports the test suite's constants)
+add pytest's wheels: `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
+-d .gpu/whl pytest`.
 """
 from __future__ import annotations
 
@@ -615,6 +617,106 @@ def part_seed2_engine() -> None:
          engine_offload_step_ms=plan.offload_step_ms, h2d_GBps=(plan.device.h2d_bytes_per_s or 0) / 1e9,
          blocks=plan.num_blocks, device_used_gib=used, budget_gib=plan.budget_bytes / 2**30,
          overhead_mib=plan.overhead_bytes / 2**20, table=plan.table()[-2500:])
+
+
+# -- issue 22: attention backends ---------------------------------------------------------------------------
+def part_parity_triton() -> None:
+    """The CPU parity suite's 4 tiny architectures and 5 regimes (tests/models/test_parity.py) on the device
+    with --attention-backend triton (and torch, the reference), fp32: greedy tokens vs transformers."""
+    sys.path.insert(0, os.getcwd())
+    from pagedllm import LLM, SamplingParams
+    from tests.helpers import ARCHS, hf_greedy, make_tiny_model
+    from tests.models.test_parity import MAX_TOKENS, PROMPTS, REGIMES
+
+    for arch in ARCHS:
+        path = make_tiny_model(f"/tmp/gpucheck-parity-{arch}", arch)
+        ref = [hf_greedy(path, p, MAX_TOKENS) for p in PROMPTS]
+        for backend in ("triton", "torch"):
+            for regime, kw in REGIMES.items():
+                try:
+                    llm = LLM(str(path), device=DEV, attention_backend=backend, dtype="float32", max_model_len=64,
+                              **({"num_gpu_blocks_override": 512} | kw))
+                    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                                                       logprobs=0), use_tqdm=False)
+                    same = sum(o.outputs[0].token_ids == r[0] for o, r in zip(outs, ref))
+                    lp = max(abs(lps[t].logprob - b) for o, r in zip(outs, ref)
+                             for lps, t, b in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, r[1]))
+                    emit("parity_triton", arch=arch, backend=llm.llm_engine.runner.attn_backend.name, regime=regime,
+                         identical=f"{same}/{len(ref)}", max_logprob_diff=lp,
+                         preemptions=llm.llm_engine.scheduler.num_preemptions)
+                    del llm
+                except Exception as e:
+                    emit("parity_triton", arch=arch, backend=backend, regime=regime, error=f"{type(e).__name__}: {e}"[:1500])
+
+
+def part_attnbench() -> None:
+    """One layer's attention in a decode step (K/V write + attention), Llama-3.1-8B's attention shape
+    (32 heads, 8 KV heads, head 128), bf16: the triton backend against the torch backend's gather path;
+    batch 64 x 2k-token contexts, and batch 1 x 8k (split-K)."""
+    from pagedllm.model_executor.attention import PagedAttention, TorchAttentionBackend, forward_context
+    from pagedllm.model_executor.attention.triton_backend import TritonAttentionBackend
+
+    dev = torch.device(DEV)
+    heads, kv_heads, dim, bs = (32, 8, 128, 16) if not SMOKE else (8, 2, 64, 16)
+    cases = [(64, 2048), (1, 8192)] if not SMOKE else [(4, 64)]
+    for batch, context in cases:
+        blocks_per = -(-(context + 1) // bs)
+        attn = PagedAttention(heads, kv_heads, dim, dim ** -0.5)
+        cache = torch.randn(2, kv_heads, batch * blocks_per * bs, dim, device=dev, dtype=torch.bfloat16)
+        attn.k_cache, attn.v_cache = cache[0], cache[1]
+        perm = torch.randperm(batch * blocks_per).tolist()
+        tables = [perm[i * blocks_per:(i + 1) * blocks_per] for i in range(batch)]
+        q = torch.randn(batch, heads, dim, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(batch, kv_heads, dim, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        row = {}
+        outs = {}
+        for backend in (TritonAttentionBackend(dev), TorchAttentionBackend()):
+            meta = backend.build_metadata([context] * batch, [1] * batch, tables, bs, dev)
+            with forward_context(meta), torch.inference_mode():
+                for _ in range(3):
+                    outs[backend.name] = attn(q, k, v)
+                sync()
+                reps = 5 if SMOKE else 50
+                t = time.perf_counter()
+                for _ in range(reps):
+                    attn(q, k, v)
+                sync()
+                row[f"{backend.name}_us"] = (time.perf_counter() - t) / reps * 1e6
+        err = (outs["triton"].float() - outs["torch"].float()).abs().max().item()
+        kv_bytes = 2 * batch * (context + 1) * kv_heads * dim * 2
+        emit("attnbench", batch=batch, context=context, **row, speedup=row["torch_us"] / row["triton_us"],
+             triton_GBps=kv_bytes / row["triton_us"] / 1e3, max_abs_diff=err)
+
+
+def part_tput() -> None:
+    """pagedllm alone on the throughput part's workload (256 prompts x 128 in x 128 out, T=1)."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model_executor.model_files import load_hf_config, resolve_model_path
+
+    models = ["qwen2.5-0.5b"] if SMOKE else os.environ.get("GPUCHECK_MODELS", "qwen2.5-0.5b,llama-3.1-8b").split(",")
+    n = 8 if SMOKE else int(os.environ.get("GPUCHECK_N", "256"))
+    inp, outl = (16, 8) if SMOKE else (128, 128)
+    for model in models:
+        cfg = load_hf_config(resolve_model_path(model))
+        prompts = random_prompts(n, inp, cfg.vocab_size)
+        for backend in ("auto",):
+            llm = LLM(model, load_format="dummy", device=DEV, dtype="bfloat16", max_model_len=512, max_num_seqs=256,
+                      attention_backend=backend)
+            llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:4]], SamplingParams(max_tokens=4),
+                         use_tqdm=False)
+            sync()
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts],
+                         SamplingParams(temperature=1.0, max_tokens=outl, ignore_eos=True), use_tqdm=False)
+            sync()
+            el = time.perf_counter() - t
+            emit("tput", model=model, backend=llm.llm_engine.runner.attn_backend.name, prompts=n,
+                 out_tok_s=n * outl / el, seconds=el)
+            del llm
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -197,13 +197,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_seqs = seq_lens.shape[0]
     group = num_heads // kv_heads
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
     group_pad = _pow2(group)
-    block_m = max(BLOCK_M_DECODE if max_query_len == 1 else BLOCK_M_PREFILL, group_pad)
-    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     head_pad = max(16, _pow2(head))
+    prefill_m = BLOCK_M_PREFILL if head_pad <= 128 else BLOCK_M_PREFILL // 2  # the accumulator fits in registers
+    block_m = max(BLOCK_M_DECODE if max_query_len == 1 else prefill_m, group_pad)
+    fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     num_parts = 1
     if max_query_len == 1 and num_seqs * kv_heads < split_below and max_seq_len > PARTITION_TOKENS:
         num_parts = min(MAX_PARTITIONS, _pow2(triton.cdiv(max_seq_len, PARTITION_TOKENS)))
@@ -223,7 +224,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD=head, HEAD_PAD=head_pad,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_PARTS=num_parts, FP8=fp8, IEEE=q.dtype == torch.float32,
-        DOT_FP32=INTERPRETED and q.dtype != torch.float32,
+        DOT_FP32=INTERPRETED and q.dtype != torch.float32, num_warps=4 if head_pad <= 64 else 8,
     )
     if num_parts > 1:
         _combine_partitions_kernel[(num_seqs, num_heads)](
