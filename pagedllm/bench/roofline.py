@@ -15,38 +15,49 @@ from pagedllm.config import QUANTIZATION_METHODS
 from pagedllm.model_executor.layers import cpu_has_bf16_arithmetic
 
 
-def _best_time(fn, repeats: int) -> float:
+CPU = torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously; a CPU op is done when it returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best_time(fn, repeats: int, device: torch.device = CPU) -> float:
     fn()  # warm-up (page faults, kernel selection)
     best = float("inf")
     for _ in range(repeats):
+        synchronize(device)
         start = time.perf_counter()
         fn()
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> dict:
+def measure_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5, device: torch.device = CPU) -> dict:
     """Read bandwidth from a read-only reduction, and copy bandwidth (read + write bytes counted)."""
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     y = torch.empty_like(x)
-    read = num_bytes / _best_time(lambda: x.sum(), repeats)
-    copy = 2 * num_bytes / _best_time(lambda: y.copy_(x), repeats)
+    read = num_bytes / _best_time(lambda: x.sum(), repeats, device)
+    copy = 2 * num_bytes / _best_time(lambda: y.copy_(x), repeats, device)
     return {"read_bytes_per_s": read, "copy_bytes_per_s": copy}
 
 
-def arithmetic_dtype(dtype: torch.dtype) -> torch.dtype:
+def arithmetic_dtype(dtype: torch.dtype, device: torch.device = CPU) -> torch.dtype:
     """The dtype the engine's Linears multiply in: bf16 runs as fp32 FMAs on a CPU without bf16
     arithmetic (packed_linear's AVX2 path, upcast_linear), where PyTorch's bf16 matmul is a slow
-    fallback (a 2048^3 product: ~1 min on a 2-core Zen 3)."""
-    if dtype == torch.bfloat16 and not cpu_has_bf16_arithmetic():
+    fallback (a 2048^3 product: ~1 min on a 2-core Zen 3). A GPU multiplies bf16 as bf16."""
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_bf16_arithmetic():
         return torch.float32
     return dtype
 
 
-def measure_matmul(dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    return 2 * size**3 / _best_time(lambda: a @ b, repeats)
+def measure_matmul(dtype: torch.dtype, size: int = 2048, repeats: int = 5, device: torch.device = CPU) -> float:
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return 2 * size**3 / _best_time(lambda: a @ b, repeats, device)
 
 
 def decode_floor(num_params: int, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int,
@@ -95,7 +106,7 @@ def measure_decode_steps(llm, batch: int, prompt_len: int, steps: int, seed: int
 
 
 @torch.inference_mode()
-def measure_gemm_time(model, batch: int, repeats: int = 5) -> float:
+def measure_gemm_time(model, batch: int, repeats: int = 5, device: torch.device = CPU) -> float:
     """Seconds the model's own matrix multiplies take for `batch` rows: every Linear of every decoder
     layer and the LM head, run back to back on random rows (best of `repeats`). What a decode step
     would cost if everything else were free: the ceiling this machine's GEMM kernels set at that batch."""
@@ -103,8 +114,8 @@ def measure_gemm_time(model, batch: int, repeats: int = 5) -> float:
 
     dtype = next(model.parameters()).dtype
     linears = [m for layer in model.decoder_layers() for m in layer.modules() if isinstance(m, nn.Linear)]
-    inputs = {m.in_features: torch.randn(batch, m.in_features).to(dtype) for m in linears}
-    hidden = torch.randn(batch, model.config.hidden_size).to(dtype)
+    inputs = {m.in_features: torch.randn(batch, m.in_features, device=device).to(dtype) for m in linears}
+    hidden = torch.randn(batch, model.config.hidden_size, device=device).to(dtype)
     kwargs = {"vocab_major": True} if "vocab_major" in inspect.signature(model.compute_logits).parameters else {}
 
     def run() -> None:
@@ -112,15 +123,17 @@ def measure_gemm_time(model, batch: int, repeats: int = 5) -> float:
             m(inputs[m.in_features])
         model.compute_logits(hidden, **kwargs)
 
-    return _best_time(run, repeats)
+    return _best_time(run, repeats, device)
 
 
-def sustained_rate(fn, work_per_call: float, window_s: float, clock=time.perf_counter) -> float:
-    """Work per second of fn() called back to back until window_s has passed (at least once)."""
+def sustained_rate(fn, work_per_call: float, window_s: float, clock=time.perf_counter, sync=lambda: None) -> float:
+    """Work per second of fn() called back to back until window_s has passed (at least once); `sync`
+    waits for the work queued so far (on a GPU)."""
     calls, start = 0, clock()
     while True:
         fn()
         calls += 1
+        sync()
         elapsed = clock() - start
         if elapsed >= window_s:
             return calls * work_per_call / elapsed
@@ -135,18 +148,20 @@ class MachineSampler:
     for a step's length, not a gap a single ~10 ms matmul fell into."""
 
     def __init__(self, dtype: torch.dtype, bandwidth_bytes: int, matmul_size: int = 2048,
-                 matmul_window_s: float = 0.1) -> None:
-        self.array = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
-        self.matmul_dtype = dtype = arithmetic_dtype(dtype)
-        self.a = torch.randn(matmul_size, matmul_size).to(dtype)
-        self.b = torch.randn(matmul_size, matmul_size).to(dtype)
+                 matmul_window_s: float = 0.1, device: torch.device = CPU) -> None:
+        self.device = device
+        self.array = torch.ones(bandwidth_bytes // 4, dtype=torch.float32, device=device)
+        self.matmul_dtype = dtype = arithmetic_dtype(dtype, device)
+        self.a = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
+        self.b = torch.randn(matmul_size, matmul_size, device=device).to(dtype)
         self.matmul_window_s = matmul_window_s
         self.bandwidth = self.matmul_rate = 0.0
 
     def sample(self) -> None:
-        read = self.array.numel() * 4 / _best_time(lambda: self.array.sum(), 1)
+        read = self.array.numel() * 4 / _best_time(lambda: self.array.sum(), 1, self.device)
         self.a @ self.b  # warm-up: the step before left other data in the caches
-        rate = sustained_rate(lambda: self.a @ self.b, 2 * self.a.shape[0] ** 3, self.matmul_window_s)
+        rate = sustained_rate(lambda: self.a @ self.b, 2 * self.a.shape[0] ** 3, self.matmul_window_s,
+                              sync=lambda: synchronize(self.device))
         self.bandwidth, self.matmul_rate = max(self.bandwidth, read), max(self.matmul_rate, rate)
 
 
@@ -156,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS), help="as the engine flag")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the engine and the machine's samples run (auto: cuda when there is one)")
+    p.add_argument("--attention-backend", default="auto", help="as the engine flag")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=8)
@@ -178,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     # rest of the batch's prompts are prefilled (2048 tokens a step, the engine's default).
     prefill_steps = -(-max(args.batch_sizes) * args.prompt_len // 2048)
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
-              max_model_len=args.prompt_len + args.steps + 2 * prefill_steps + 16, max_num_seqs=max(args.batch_sizes))
+              max_model_len=args.prompt_len + args.steps + 2 * prefill_steps + 16, max_num_seqs=max(args.batch_sizes),
+              device=args.device, attention_backend=args.attention_backend)
+    device = llm.llm_engine.runner.device
     cfg = llm.llm_engine.config.model
     num_params = num_params_from_config(cfg.hf_config)
     weights = llm.llm_engine.runner.weight_bytes
@@ -191,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'ratio':>6} {'tok/s':>7} {'% matmul rate':>13} {'GEMMs alone ms':>15}")
     rows, bandwidth_bytes = [], parse_size(args.bandwidth_bytes)
     for b in args.batch_sizes:
-        machine = MachineSampler(cfg.dtype, bandwidth_bytes, matmul_window_s=args.matmul_window)
+        machine = MachineSampler(cfg.dtype, bandwidth_bytes, matmul_window_s=args.matmul_window, device=device)
         if machine.matmul_dtype != cfg.dtype and b == args.batch_sizes[0]:
             print(f"this CPU has no {cfg.dtype} arithmetic: the matmul rate is {machine.matmul_dtype}'s, which the "
                   "engine's many-row products run in")
@@ -200,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         bandwidth, rate = machine.bandwidth, machine.matmul_rate
         floor = decode_floor(num_params, weights, kv_tok, b, args.prompt_len, bandwidth, rate)
         best, median = min(times), statistics.median(times)
-        gemm = measure_gemm_time(model, b)
+        gemm = measure_gemm_time(model, b, device=device)
         achieved = floor["flops"] / best / rate
         rows.append({"batch": b, **floor, "read_bytes_per_s": bandwidth, "matmul_flops_per_s": rate,
                      "matmul_dtype": str(machine.matmul_dtype).removeprefix("torch."),

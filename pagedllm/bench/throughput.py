@@ -97,21 +97,36 @@ def run_pagedllm(args, requests: list[BenchRequest], llm=None, report: dict | No
     return elapsed
 
 
+def bench_device(args) -> torch.device:
+    """The device of this benchmark's engine (--device; auto: cuda when there is one): the transformers
+    baselines run there too, so that every backend is measured on the same hardware."""
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
 def _hf_model(args):
     from transformers import AutoModelForCausalLM
 
     from pagedllm.config import resolve_dtype
     from pagedllm.model_executor.model_files import load_hf_config, resolve_model_path
 
+    device = bench_device(args)
     path = resolve_model_path(args.model)
     config = load_hf_config(path)
-    dtype = resolve_dtype(args.dtype, getattr(config, "dtype", None), "cpu")
+    dtype = resolve_dtype(args.dtype, getattr(config, "dtype", None), device.type)
     if args.load_format == "dummy":
         torch.manual_seed(args.seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     return model.eval()
+
+
+def _synchronize(model) -> None:
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
 
 
 def run_transformers(args, requests: list[BenchRequest], batch_size: int, model=None) -> float:
@@ -124,13 +139,16 @@ def run_transformers(args, requests: list[BenchRequest], batch_size: int, model=
     for i in tqdm(range(0, len(requests), batch_size), desc=f"transformers batch {batch_size}"):
         batch = requests[i:i + batch_size]
         width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
-        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch])
+        ids = torch.tensor([[pad] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch],
+                           device=model.device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids) for r in batch],
+                            device=model.device)
         out_len = max(r.output_len for r in batch)
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0,
                            top_k=0, max_new_tokens=out_len, min_new_tokens=out_len if args.ignore_eos else 0,
                            pad_token_id=pad)
+    _synchronize(model)
     return time.perf_counter() - start
 
 
@@ -147,6 +165,7 @@ def run_transformers_cb(args, requests: list[BenchRequest], model=None) -> float
     with torch.no_grad():
         model.generate_batch(inputs=[r.prompt_token_ids for r in requests], generation_config=gen,
                              progress_bar=True)
+    _synchronize(model)
     return time.perf_counter() - start
 
 

@@ -187,3 +187,37 @@ def test_roofline_matmul_rate_is_sampled_in_the_dtype_the_engine_multiplies_in(b
     sampler.sample()
     assert sampler.matmul_rate > 0 and sampler.bandwidth > 0
     assert roofline.MachineSampler(torch.float32, 1 << 20, matmul_size=64).matmul_dtype == torch.float32
+
+
+def test_transformers_baseline_runs_on_the_engines_device(monkeypatch):
+    """`bench throughput --device X` runs transformers on X too: the device resolves as the engine's
+    (auto: cuda when there is one) and the batches are built on the model's device (a stub model on the
+    meta device records where its inputs were)."""
+    from types import SimpleNamespace
+
+    from pagedllm.bench.throughput import BenchRequest, bench_device, run_transformers
+
+    args = SimpleNamespace(device="auto", ignore_eos=True)
+    assert bench_device(args) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert bench_device(args) == torch.device("cuda")
+    assert bench_device(SimpleNamespace(device="cpu")) == torch.device("cpu")
+
+    seen = []
+
+    class StubModel:
+        device = torch.device("meta")
+
+        def generate(self, input_ids, attention_mask, **kw):
+            seen.append((input_ids.device, attention_mask.device, tuple(input_ids.shape)))
+
+    requests = [BenchRequest([1, 2, 3], 4), BenchRequest([5, 6], 4), BenchRequest([7], 2)]
+    assert run_transformers(args, requests, 2, StubModel()) >= 0
+    assert seen == [(torch.device("meta"), torch.device("meta"), (2, 3)), (torch.device("meta"),) * 2 + ((1, 1),)]
+
+
+def test_roofline_on_a_gpu_multiplies_bf16_as_bf16():
+    from pagedllm.bench.roofline import arithmetic_dtype
+
+    assert arithmetic_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    assert arithmetic_dtype(torch.float16, torch.device("cuda")) == torch.float16
