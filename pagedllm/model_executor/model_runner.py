@@ -59,6 +59,9 @@ class ModelRunner:
         self.attn_backend = select_attention_backend(config.attention_backend, AttentionShape(
             self.device, m.hf_config.num_attention_heads, m.num_kv_heads, m.head_dim, m.dtype, config.kv_cache_dtype))
         self.model = load_model(config.model, self.device)
+        s = config.scheduler
+        self.attn_backend.allocate_buffers(max(s.max_num_batched_tokens, s.max_num_seqs), s.max_num_seqs,
+                                           cdiv(m.max_model_len, self.block_size), self.device)
         self.sampler = Sampler(self.device, config.model.seed)
         # Multi-codebook audio models: frames in and out (audio_runner); None for text models.
         self.audio_spec = getattr(self.model, "audio_spec", None)

@@ -196,3 +196,23 @@ def test_higgs_audio_runs_on_every_backend(tmp_path):
     for backend in ("torch", "cpu", "triton"):
         for (tokens, codes), (ref_tokens, ref_codes) in zip(results[backend], reference, strict=True):
             assert tokens == ref_tokens and torch.equal(codes, ref_codes), backend
+
+
+def test_step_metadata_lives_in_persistent_buffers():
+    """With buffers allocated (as the model runner does), a step's metadata is views of the same device
+    tensors every step, equal to freshly built ones; a step larger than the buffers gets fresh tensors."""
+    backend = TritonAttentionBackend(CPU)
+    fresh = backend.build_metadata([0, 40, 3], [9, 1, 5], [[4, 2], [7, 1, 0], [3]], 16, CPU)
+    backend.allocate_buffers(32, 4, 8, CPU)
+    first = backend.build_metadata([0, 40, 3], [9, 1, 5], [[4, 2], [7, 1, 0], [3]], 16, CPU)
+    for name in ("positions", "slot_mapping", "query_start", "seq_lens", "block_table"):
+        got, want = getattr(first, name), getattr(fresh, name)
+        assert torch.equal(got, want), name
+        assert got.data_ptr() == backend.buffers.device[name].data_ptr()
+    assert (first.max_query_len, first.max_seq_len) == (fresh.max_query_len, fresh.max_seq_len) == (9, 41)
+    second = backend.build_metadata([41], [1], [[7, 1, 0]], 16, CPU)
+    assert second.block_table.data_ptr() == first.block_table.data_ptr()
+    assert second.slot_mapping.tolist() == [0 * 16 + 41 % 16]  # position 41: the third block, block 0 and second.query_start.tolist() == [0, 1]
+    big = backend.build_metadata([0], [40], [[0, 1, 2]], 16, CPU)  # 40 tokens > 32
+    assert big.positions.data_ptr() != backend.buffers.device["positions"].data_ptr()
+    assert big.positions.tolist() == list(range(40))

@@ -36,6 +36,11 @@ class AttentionBackend(ABC):
         """Describe one step: request i computes tokens [starts[i], starts[i] + lengths[i]), its K/V in the
         blocks of block_tables[i]; tokens are laid out flat, request after request."""
 
+    def allocate_buffers(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                         device: torch.device) -> None:
+        """Persistent buffers for steps of up to these sizes (the runner calls this once at start); a
+        backend that builds fresh tensors each step ignores it."""
+
     @abstractmethod
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -25,6 +25,36 @@ class TritonMetadata(AttentionMetadata):
     max_seq_len: int = 0
 
 
+class StepBuffers:
+    """A step's metadata in persistent device tensors, filled from page-locked host twins by one
+    asynchronous copy each: no allocation and no host-blocking copy per step, and fixed addresses
+    (what CUDA graphs will replay over). The host twins are rewritten only in the next step, after
+    that step's sampled ids were read back (which waits for the copies)."""
+
+    def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        shapes = {"positions": ((max_num_tokens,), torch.long), "slot_mapping": ((max_num_tokens,), torch.long),
+                  "query_start": ((max_num_seqs + 1,), torch.int32), "seq_lens": ((max_num_seqs,), torch.int32),
+                  "block_table": ((max_num_seqs, max_blocks), torch.int32)}
+        self.host = {k: torch.zeros(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in shapes.items()}
+        self.device = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in shapes.items()}
+        self.max_num_tokens, self.max_num_seqs, self.max_blocks = max_num_tokens, max_num_seqs, max_blocks
+
+    def fits(self, num_tokens: int, num_seqs: int, num_blocks: int) -> bool:
+        return num_tokens <= self.max_num_tokens and num_seqs <= self.max_num_seqs and num_blocks <= self.max_blocks
+
+    def load(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """`value` (host) into the buffer `name`, returned as the device view of its leading part."""
+        host, dev = self.host[name], self.device[name]
+        if value.dim() == 2:
+            host, dev = host[:value.shape[0], :value.shape[1]], dev[:value.shape[0], :value.shape[1]]
+        else:
+            host, dev = host[:value.shape[0]], dev[:value.shape[0]]
+        host.copy_(value)
+        dev.copy_(host, non_blocking=True)
+        return dev
+
+
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
@@ -35,19 +65,30 @@ class TritonAttentionBackend(AttentionBackend):
         # Decode steps with fewer programs (requests x KV heads) than twice the SMs split their keys.
         self.split_below = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
             if device.type == "cuda" else 0
+        self.buffers: StepBuffers | None = None
+
+    def allocate_buffers(self, max_num_tokens: int, max_num_seqs: int, max_blocks_per_seq: int,
+                         device: torch.device) -> None:
+        self.buffers = StepBuffers(max_num_tokens, max_num_seqs, max_blocks_per_seq, device)
 
     def build_metadata(self, starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
                        device: torch.device) -> TritonMetadata:
-        table = padded_block_table(block_tables)
+        table = padded_block_table(block_tables, torch.int32)
         positions, slot_mapping, start, lens, _ = flat_positions(starts, lengths, table, block_size)
         query_start = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         torch.cumsum(lens, 0, out=query_start[1:])
-        seq_lens = start + lens
+        seq_lens = (start + lens).to(torch.int32)
+        host = {"positions": positions, "slot_mapping": slot_mapping, "query_start": query_start,
+                "seq_lens": seq_lens, "block_table": table}
+        buffers = self.buffers
+        if buffers is not None and buffers.fits(len(positions), len(lengths), table.shape[1]):
+            dev = {name: buffers.load(name, value) for name, value in host.items()}
+        else:  # a step larger than the buffers were made for: fresh tensors
+            dev = {name: value.to(device) for name, value in host.items()}
         return TritonMetadata(
-            positions=positions.to(device), slot_mapping=slot_mapping.to(device), block_size=block_size, backend=self,
-            query_start=query_start.to(device), seq_lens=seq_lens.to(torch.int32).to(device),
-            block_table=table.to(torch.int32).to(device), max_query_len=max(lengths),
-            max_seq_len=int(seq_lens.max()))
+            positions=dev["positions"], slot_mapping=dev["slot_mapping"], block_size=block_size, backend=self,
+            query_start=dev["query_start"], seq_lens=dev["seq_lens"], block_table=dev["block_table"],
+            max_query_len=max(lengths), max_seq_len=int(seq_lens.max()))
 
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TritonMetadata) -> torch.Tensor:
