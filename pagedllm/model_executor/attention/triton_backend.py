@@ -28,8 +28,8 @@ class TritonMetadata(AttentionMetadata):
 class StepBuffers:
     """A step's metadata in persistent device tensors, filled from page-locked host twins by one
     asynchronous copy each: no allocation and no host-blocking copy per step, and fixed addresses
-    (what CUDA graphs will replay over). The host twins are rewritten only in the next step, after
-    that step's sampled ids were read back (which waits for the copies)."""
+    (what CUDA graphs will replay over). Before the host twins are rewritten, the previous step's
+    copies out of them are waited for (an event; a step that samples nothing does not otherwise wait)."""
 
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device) -> None:
         pin = device.type == "cuda"
@@ -39,6 +39,15 @@ class StepBuffers:
         self.host = {k: torch.zeros(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in shapes.items()}
         self.device = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in shapes.items()}
         self.max_num_tokens, self.max_num_seqs, self.max_blocks = max_num_tokens, max_num_seqs, max_blocks
+        self.copied: torch.cuda.Event | None = None
+
+    def load_all(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.copied is not None:
+            self.copied.synchronize()  # the last step's copies have left the host twins
+        out = {name: self.load(name, value) for name, value in values.items()}
+        if next(iter(self.device.values())).is_cuda:
+            self.copied = torch.cuda.current_stream().record_event()
+        return out
 
     def fits(self, num_tokens: int, num_seqs: int, num_blocks: int) -> bool:
         return num_tokens <= self.max_num_tokens and num_seqs <= self.max_num_seqs and num_blocks <= self.max_blocks
@@ -82,7 +91,7 @@ class TritonAttentionBackend(AttentionBackend):
                 "seq_lens": seq_lens, "block_table": table}
         buffers = self.buffers
         if buffers is not None and buffers.fits(len(positions), len(lengths), table.shape[1]):
-            dev = {name: buffers.load(name, value) for name, value in host.items()}
+            dev = buffers.load_all(host)
         else:  # a step larger than the buffers were made for: fresh tensors
             dev = {name: value.to(device) for name, value in host.items()}
         return TritonMetadata(
