@@ -35,7 +35,7 @@ class StepBuffers:
         pin = device.type == "cuda"
         shapes = {"positions": ((max_num_tokens,), torch.long), "slot_mapping": ((max_num_tokens,), torch.long),
                   "query_start": ((max_num_seqs + 1,), torch.int32), "seq_lens": ((max_num_seqs,), torch.int32),
-                  "block_table": ((max_num_seqs, max_blocks), torch.int32)}
+                  "block_table": ((max_num_seqs * max_blocks,), torch.int32)}  # (requests, width) views
         self.host = {k: torch.zeros(shape, dtype=dt, pin_memory=pin) for k, (shape, dt) in shapes.items()}
         self.device = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in shapes.items()}
         self.max_num_tokens, self.max_num_seqs, self.max_blocks = max_num_tokens, max_num_seqs, max_blocks
@@ -54,11 +54,8 @@ class StepBuffers:
 
     def load(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """`value` (host) into the buffer `name`, returned as the device view of its leading part."""
-        host, dev = self.host[name], self.device[name]
-        if value.dim() == 2:
-            host, dev = host[:value.shape[0], :value.shape[1]], dev[:value.shape[0], :value.shape[1]]
-        else:
-            host, dev = host[:value.shape[0]], dev[:value.shape[0]]
+        n = value.numel()
+        host, dev = self.host[name][:n].view(value.shape), self.device[name][:n].view(value.shape)  # contiguous
         host.copy_(value)
         dev.copy_(host, non_blocking=True)
         return dev
