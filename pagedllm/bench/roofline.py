@@ -12,7 +12,7 @@ import time
 import torch
 
 from pagedllm.config import QUANTIZATION_METHODS
-from pagedllm.model_executor.layers import cpu_has_bf16_arithmetic
+from pagedllm.model_executor.cpu_ops import cpu_has_bf16_arithmetic
 
 
 CPU = torch.device("cpu")

@@ -10,7 +10,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pagedllm.config import ModelConfig
-from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, pack_linear_weights
+from pagedllm.model_executor.cpu_ops import install_cpu_ops
+from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
 from pagedllm.model_executor.model_files import weight_files
 from pagedllm.model_executor.models.registry import get_model_class
 from pagedllm.model_executor.offload import HostLayer, offload_layers, offloaded_layer_indices
@@ -77,10 +78,11 @@ def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.de
         _move_to(model, device, kept)
     model.layer_offloader = offload_layers(layers, model_config.cpu_offload_bytes, device, hosts)
     model.layer_offloads = [] if model.layer_offloader is None else model.layer_offloader.hosts
-    # Quantized layers are Int8Linear, not nn.Linear: packing leaves their int8 weights alone. The
-    # offload hooks swap plain parameters, so with offloaded layers (CPU tests) nothing is packed.
-    if device.type == "cpu" and not model.layer_offloads:
-        model.packed_weight_bytes = pack_linear_weights(model)
+    # The CPU's native ops, once. Quantized layers are Int8Linear, not nn.Linear: packing leaves their int8
+    # weights alone. The offload hooks swap plain parameters, so with offloaded layers (CPU tests) nothing
+    # is packed.
+    if device.type == "cpu":
+        model.packed_weight_bytes = install_cpu_ops(model, pack=not model.layer_offloads)
 
 
 def _iter_safetensors(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.engine.request import Request
-from pagedllm.model_executor.layers import fused_kernels
+from pagedllm.model_executor.cpu_ops import fused_kernels
 from pagedllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")

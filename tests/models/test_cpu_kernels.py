@@ -211,16 +211,10 @@ def _same(ours: torch.Tensor, twin: torch.Tensor) -> None:
         torch.testing.assert_close(ours, twin, rtol=2e-6, atol=2e-6)
 
 
-def _without_kernels(monkeypatch):
-    from pagedllm.model_executor import layers
-    from pagedllm.model_executor.models import llama
-
-    monkeypatch.setattr(layers, "fused_kernels", lambda x: None)
-    monkeypatch.setattr(llama, "fused_kernels", lambda x: None)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_with_and_without_the_residual_add(dtype, monkeypatch):
+def test_rms_norm_with_and_without_the_residual_add(dtype):
+    """cpu_ops' native forward against the module's own (the PyTorch reference)."""
+    from pagedllm.model_executor.cpu_ops import _native_rms_norm
     from pagedllm.model_executor.layers import RMSNorm
 
     gen = torch.Generator().manual_seed(3)
@@ -228,13 +222,11 @@ def test_rms_norm_with_and_without_the_residual_add(dtype, monkeypatch):
     norm.weight.data.copy_(torch.rand(96, generator=gen) + 0.5)
     x, residual = (torch.randn(37, 96, generator=gen).mul(4).to(dtype) for _ in range(2))
     with torch.inference_mode():
-        ours = norm(x)
+        ours = _native_rms_norm(norm, x)
         stream = residual.clone()
-        ours_fused, ours_stream = norm(x, stream)
-        with monkeypatch.context() as m:
-            _without_kernels(m)
-            twin = norm(x)
-            twin_fused, twin_stream = norm(x, residual.clone())
+        ours_fused, ours_stream = _native_rms_norm(norm, x, stream)
+        twin = norm(x)
+        twin_fused, twin_stream = norm(x, residual.clone())
     reference = norm.weight * torch.nn.functional.rms_norm(x.float(), (96,), eps=1e-5).to(dtype)
     _same(ours, twin)
     _same(ours, reference)
@@ -254,7 +246,8 @@ def test_silu_and_mul_is_silu_gate_times_up(dtype, width):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_in_place_on_a_strided_view_of_qkv(dtype, monkeypatch):
+def test_rotary_in_place_on_a_strided_view_of_qkv(dtype):
+    from pagedllm.model_executor.cpu_ops import _native_rotate
     from pagedllm.model_executor.layers import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(5)
@@ -262,12 +255,10 @@ def test_rotary_in_place_on_a_strided_view_of_qkv(dtype, monkeypatch):
     tokens, heads, kv_heads = 11, 6, 2
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 64, generator=gen).to(dtype)
     positions = torch.randint(0, 300, (tokens,), generator=gen)
-    with monkeypatch.context() as m:
-        _without_kernels(m)
-        twin = rotary.rotate(positions, qkv[:, :(heads + kv_heads) * 64].view(tokens, heads + kv_heads, 64).clone())
+    twin = rotary.rotate(positions, qkv[:, :(heads + kv_heads) * 64].view(tokens, heads + kv_heads, 64).clone())
     before_v = qkv[:, (heads + kv_heads) * 64:].clone()
     view = qkv[:, :(heads + kv_heads) * 64].view(tokens, heads + kv_heads, 64)
-    ours = rotary.rotate(positions, view)
+    ours = _native_rotate(rotary, positions, view)
     assert ours.data_ptr() == view.data_ptr()  # rotated in place, inside the qkv buffer
     _same(ours, twin)
     assert torch.equal(qkv[:, (heads + kv_heads) * 64:], before_v)  # values untouched
@@ -440,3 +431,33 @@ def test_packed_silu_mul_is_silu_and_mul_of_the_product(rows):
         assert torch.equal(fused, kernels.silu_and_mul(plain))
     with pytest.raises(RuntimeError, match="even number of 16-column blocks"):
         kernels.packed_linear_silu_mul(x, kernels.pack_linear_weight(w[:48]), None)
+
+
+def test_cpu_engines_get_the_native_ops_once_at_load(tiny_models):
+    """The op table is chosen at load: a CPU engine's norms, rotary embedding, MLPs and LM head run the
+    native forwards (bound to the instances); the model classes keep the PyTorch reference, and with the
+    kernels unavailable nothing is re-bound."""
+    from pagedllm import LLM
+    from pagedllm.model_executor import cpu_ops
+    from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
+    from pagedllm.model_executor.models.llama import LlamaMLP
+
+    model = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64).llm_engine.runner.model
+    bound = {type(m): m for m in model.modules() if type(m) in (RMSNorm, RotaryEmbedding, LlamaMLP)}
+    assert bound[RMSNorm].forward.__func__ is cpu_ops._native_rms_norm
+    assert bound[RotaryEmbedding].rotate.__func__ is cpu_ops._native_rotate
+    assert bound[LlamaMLP].forward.__func__ is cpu_ops._native_mlp
+    assert model.compute_logits.__func__ is cpu_ops._cpu_compute_logits
+    fresh = RMSNorm(8)
+    assert fresh.forward.__func__ is RMSNorm.forward  # the class: the reference
+
+
+def test_no_native_ops_without_the_kernels(tiny_models, monkeypatch):
+    from pagedllm import LLM
+    from pagedllm.model_executor import cpu_ops
+    from pagedllm.model_executor.layers import RMSNorm
+
+    monkeypatch.setattr(cpu_ops, "cpu_kernels", lambda: None)
+    model = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64,
+                attention_backend="torch").llm_engine.runner.model
+    assert all(m.forward.__func__ is RMSNorm.forward for m in model.modules() if type(m) is RMSNorm)

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model_executor import layers
+from pagedllm.model_executor import cpu_ops as layers
 from pagedllm.model_executor.cpu_kernels import cpu_kernels
-from pagedllm.model_executor.layers import pack_linear_weights
+from pagedllm.model_executor.cpu_ops import pack_linear_weights
 
 needs_bf16_mkldnn = pytest.mark.skipif(
     not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
@@ -164,7 +164,7 @@ def test_without_bf16_arithmetic_two_to_four_rows_take_the_gemv(monkeypatch):
             calls.append(tuple(x.shape))
             return kernels.gemv_bf16(x, w)
 
-    monkeypatch.setattr(layers, "fused_kernels", lambda x: Recorder())
+    monkeypatch.setattr(layers, "cpu_kernels", lambda: Recorder())
     model = _model(vocab=1100)
     layers._use_fp32_arithmetic(model)
     for rows in (1, 2, 4, 5):

@@ -5,9 +5,10 @@ memprobe, offload_parity, planacc2, seed2; (issue 22, attention backends) parity
 GPUCHECK_SMOKE=1 runs every part on CPU with tiny sizes, to test this script without a GPU.
 
 This is ../shared/gpu-check/check.py with the issue-21 and issue-22 parts added (at the end). To use it: run
-the shared prepare.sh, copy this file over .gpu/check.py, and (parity_triton imports the test suite's constants)
-add pytest's wheels: `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
--d .gpu/whl pytest`.
+the shared prepare.sh, copy this file over .gpu/check.py, and add pytest's wheels (parity_triton imports the
+test suite's constants): `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
+-d .gpu/whl pytest`. GPUCHECK_ATTN=triton,torch runs the latency and throughput parts once per attention
+backend, in one process; GPUCHECK_NO_HF=1 skips latency's transformers runs.
 """
 from __future__ import annotations
 
@@ -220,7 +221,12 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return [[rng.randint(10, min(vocab, 32000) - 1) for _ in range(length)] for _ in range(n)]
 
 
-def part_throughput() -> None:
+def attention_backends() -> list[str]:
+    """GPUCHECK_ATTN: pagedllm's attention backends to run, in one process (default: auto)."""
+    return os.environ.get("GPUCHECK_ATTN", "auto").split(",")
+
+
+def part_throughput(pagedllm_only: bool = False) -> None:
     """W on the device: N prompts x 128 in x 128 out, ignore_eos, sampling T=1; pagedllm vs transformers."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -228,23 +234,29 @@ def part_throughput() -> None:
     from pagedllm.model_executor.model_files import load_hf_config, resolve_model_path
 
     models = ["qwen2.5-0.5b"] if SMOKE else os.environ.get("GPUCHECK_MODELS", "qwen2.5-0.5b,llama-3.1-8b").split(",")
-    n = 8 if SMOKE else int(os.environ.get("GPUCHECK_N", "512"))
+    n = 8 if SMOKE else int(os.environ.get("GPUCHECK_N", "256" if pagedllm_only else "512"))
     inp, outl = (16, 8) if SMOKE else (128, 128)
     for model in models:
         cfg = load_hf_config(resolve_model_path(model))
         prompts = random_prompts(n, inp, cfg.vocab_size)
-        llm = LLM(model, load_format="dummy", device=DEV, dtype="bfloat16", max_model_len=512, max_num_seqs=256)
-        sp = SamplingParams(temperature=1.0, max_tokens=outl, ignore_eos=True)
-        llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:4]], SamplingParams(max_tokens=4), use_tqdm=False)
-        sync()
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        sync()
-        el = time.perf_counter() - t
-        emit("throughput", model=model, backend="pagedllm", prompts=n, out_tok_s=n * outl / el, seconds=el)
-        del llm
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
+        for attn in attention_backends():
+            llm = LLM(model, load_format="dummy", device=DEV, dtype="bfloat16", max_model_len=512, max_num_seqs=256,
+                      attention_backend=attn)
+            sp = SamplingParams(temperature=1.0, max_tokens=outl, ignore_eos=True)
+            llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:4]], SamplingParams(max_tokens=4),
+                         use_tqdm=False)
+            sync()
+            t = time.perf_counter()
+            llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            sync()
+            el = time.perf_counter() - t
+            emit("throughput", model=model, backend="pagedllm", attention=llm.llm_engine.runner.attn_backend.name,
+                 prompts=n, out_tok_s=n * outl / el, seconds=el)
+            del llm
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+        if pagedllm_only:
+            continue
         torch.manual_seed(0)
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(DEV).eval()
         for bs in ([8] if SMOKE else [int(b) for b in os.environ.get("GPUCHECK_HF_BS", "256").split(",")]):
@@ -287,24 +299,28 @@ def part_latency() -> None:
         outl = 16 if SMOKE else 256
         cfg = load_hf_config(resolve_model_path(model))
         prompt = random_prompts(1, 128, cfg.vocab_size)[0]
-        llm = LLM(model, load_format="dummy", device=DEV, dtype="bfloat16", max_model_len=1024, kv_cache_memory="4GiB")
-        wbytes = llm.memory_plan.weight_bytes
-        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-        res = {}
-        for k in (1, outl + 1):
-            sync()
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=k, temperature=0, ignore_eos=True),
-                         use_tqdm=False)
-            sync()
-            res[k] = time.perf_counter() - t
-        ms = (res[outl + 1] - res[1]) / outl * 1000
-        floor = wbytes / bw * 1000
-        emit("latency", model=model, backend="pagedllm", ms_per_token=ms, floor_ms=floor, ratio=ms / floor,
-             weight_gib=wbytes / 2**30, ttft_ms=res[1] * 1000)
-        del llm
-        if DEV == "cuda":
-            torch.cuda.empty_cache()
+        for attn in attention_backends():
+            llm = LLM(model, load_format="dummy", device=DEV, dtype="bfloat16", max_model_len=1024,
+                      kv_cache_memory="4GiB", attention_backend=attn)
+            wbytes = llm.memory_plan.weight_bytes
+            llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+            res = {}
+            for k in (1, outl + 1):
+                sync()
+                t = time.perf_counter()
+                llm.generate([{"prompt_token_ids": prompt}],
+                             SamplingParams(max_tokens=k, temperature=0, ignore_eos=True), use_tqdm=False)
+                sync()
+                res[k] = time.perf_counter() - t
+            ms = (res[outl + 1] - res[1]) / outl * 1000
+            floor = wbytes / bw * 1000
+            emit("latency", model=model, backend="pagedllm", attention=llm.llm_engine.runner.attn_backend.name,
+                 ms_per_token=ms, floor_ms=floor, ratio=ms / floor, weight_gib=wbytes / 2**30, ttft_ms=res[1] * 1000)
+            del llm
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+        if os.environ.get("GPUCHECK_NO_HF") == "1":
+            continue
         torch.manual_seed(0)
         hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(DEV).eval()
         ids = torch.tensor([prompt], device=DEV)
@@ -691,32 +707,8 @@ def part_attnbench() -> None:
 
 
 def part_tput() -> None:
-    """pagedllm alone on the throughput part's workload (256 prompts x 128 in x 128 out, T=1)."""
-    from pagedllm import LLM, SamplingParams
-    from pagedllm.model_executor.model_files import load_hf_config, resolve_model_path
-
-    models = ["qwen2.5-0.5b"] if SMOKE else os.environ.get("GPUCHECK_MODELS", "qwen2.5-0.5b,llama-3.1-8b").split(",")
-    n = 8 if SMOKE else int(os.environ.get("GPUCHECK_N", "256"))
-    inp, outl = (16, 8) if SMOKE else (128, 128)
-    for model in models:
-        cfg = load_hf_config(resolve_model_path(model))
-        prompts = random_prompts(n, inp, cfg.vocab_size)
-        for backend in ("auto",):
-            llm = LLM(model, load_format="dummy", device=DEV, dtype="bfloat16", max_model_len=512, max_num_seqs=256,
-                      attention_backend=backend)
-            llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:4]], SamplingParams(max_tokens=4),
-                         use_tqdm=False)
-            sync()
-            t = time.perf_counter()
-            llm.generate([{"prompt_token_ids": p} for p in prompts],
-                         SamplingParams(temperature=1.0, max_tokens=outl, ignore_eos=True), use_tqdm=False)
-            sync()
-            el = time.perf_counter() - t
-            emit("tput", model=model, backend=llm.llm_engine.runner.attn_backend.name, prompts=n,
-                 out_tok_s=n * outl / el, seconds=el)
-            del llm
-            if DEV == "cuda":
-                torch.cuda.empty_cache()
+    """The throughput part without the transformers baselines (pagedllm's backends only)."""
+    part_throughput(pagedllm_only=True)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,7 @@ from torch import nn
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.attention import PagedAttention
 from pagedllm.model_executor.kv_quant import kv_scale_target, scale_value
-from pagedllm.model_executor.layers import (
-    GEMV_MAX_ROWS,
-    UPCAST_MIN_ROWS,
-    RMSNorm,
-    RotaryEmbedding,
-    fused_kernels,
-    get_activation,
-)
+from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, get_activation
 
 
 class LlamaAttention(nn.Module):
@@ -59,18 +52,11 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         self.act = get_activation(cfg.hidden_act)
-        # pack_linear_weights may then give gate_up_proj a fused_silu_and_mul(x) (CPU, AMX).
+        # A CPU engine may pack gate_up_proj to give SiLU(gate) * up in one pass (cpu_ops.py).
         self.gate_up_proj.feeds_silu_and_mul = self.act is F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = getattr(self.gate_up_proj, "fused_silu_and_mul", None)
-        if fused is not None:
-            return self.down_proj(fused(x))
-        gate_up = self.gate_up_proj(x)
-        kernels = fused_kernels(gate_up) if self.act is F.silu else None
-        if kernels is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
-            return self.down_proj(kernels.silu_and_mul(gate_up))  # one pass, the same rounding
-        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -164,17 +150,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor, vocab_major: bool = False) -> torch.Tensor:
-        """(rows, vocab) logits. With vocab_major, a plain bf16 LM head on CPU (a tied embedding that
-        pack_linear_weights could not pack, e.g. without AMX) computes W @ hidden^T and returns that
-        (vocab, rows) array's transposed view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a
-        caller that reads any layout. (Up to GEMV_MAX_ROWS rows the head's own forward runs a GEMV,
-        faster still; on a CPU without bf16 arithmetic the head's forward multiplies many rows in fp32.)"""
-        w = self.lm_head.weight
-        upcasts = hasattr(self.lm_head, "plain_forward") and hidden.shape[0] >= UPCAST_MIN_ROWS
-        if vocab_major and not upcasts and hidden.dim() == 2 and hidden.shape[0] > GEMV_MAX_ROWS \
-                and w.dtype == torch.bfloat16 \
-                and w.device.type == "cpu" and w.numel() > 0 and self.lm_head.bias is None:
-            return (w @ hidden.T).T
+        """(rows, vocab) logits. `vocab_major`: the caller reads any layout, so a transposed view may
+        come back (a CPU engine's LM head uses that: cpu_ops.py)."""
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[nn.Module]:
