@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pagedllm.engine.request import Request
+from pagedllm.model_executor.request_state import RunnerRequest
 from pagedllm.model_executor import sampler as sampler_module
 from pagedllm.model_executor.sampler import Sampler, _nucleus_coverage, _top_k_top_p, argmax_rows
 from pagedllm.sampling_params import SamplingParams
@@ -33,19 +33,24 @@ def chi2_stat(tokens: list[int], probs: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
+def runner_request(rid: str, prompt: list[int], params: SamplingParams, eos_token_ids=()) -> RunnerRequest:
+    """The model runner's state of a request: what the sampler reads."""
+    return RunnerRequest(rid, list(prompt), params, frozenset(eos_token_ids), list(prompt))
+
+
 def make_req(rid: str = "r", prompt: list[int] | None = None, eos: set[int] | None = None,
-             **params) -> Request:
-    return Request(rid, [0] if prompt is None else prompt, SamplingParams(**params),
-                   eos_token_ids=set() if eos is None else eos, max_model_len=4096)
+             **params) -> RunnerRequest:
+    return runner_request(rid, [0] if prompt is None else prompt, SamplingParams(**params),
+                   eos_token_ids=set() if eos is None else eos)
 
 
-def make_reqs(n: int, **params) -> list[Request]:
-    """n requests with identical parameters (each row of a batch needs its own Request)."""
+def make_reqs(n: int, **params) -> list[RunnerRequest]:
+    """n requests with identical parameters (each row of a batch needs its own request state)."""
     sp = SamplingParams(**params)
-    return [Request(f"r{i}", [0], sp, eos_token_ids=set(), max_model_len=4096) for i in range(n)]
+    return [runner_request(f"r{i}", [0], sp, eos_token_ids=set()) for i in range(n)]
 
 
-def sample(sampler: Sampler, logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+def sample(sampler: Sampler, logits: torch.Tensor, reqs: list[RunnerRequest]) -> list[int]:
     return [row.token_id for row in sampler(logits.clone(), reqs)]
 
 
@@ -203,7 +208,7 @@ def _seeded_run(sampler_seed: int, layout: str, steps: int = 8) -> list[int]:
     target_logits = [torch.randn(200, generator=gen) * 0.5 for _ in range(steps)]
     noise_gen = torch.Generator().manual_seed(sampler_seed + 1000)
     target = make_req("target", seed=42, temperature=1.0)
-    others: list[Request]
+    others: list[RunnerRequest]
     if layout == "alone":
         others, pos = [], 0
     elif layout == "middle":
@@ -381,7 +386,7 @@ def test_min_tokens_masks_eos_when_sampling() -> None:
     n = 2000
     logits = torch.tensor([1.0, 1.0, 1.0, 1.0]).expand(n, -1)
     sp = SamplingParams(min_tokens=1, temperature=1.0)
-    reqs = [Request(f"r{i}", [0], sp, eos_token_ids={2}, max_model_len=100) for i in range(n)]
+    reqs = [runner_request(f"r{i}", [0], sp, eos_token_ids={2}) for i in range(n)]
     tokens = sample(Sampler(CPU, seed=0), logits, reqs)
     assert set(tokens) == {0, 1, 3}
 
@@ -475,7 +480,7 @@ def test_penalties_shape_the_sampled_distribution() -> None:
     sp = SamplingParams(temperature=1.0, presence_penalty=2.0, frequency_penalty=2.0)
     reqs = []
     for i in range(n):
-        r = Request(f"r{i}", [1], sp, eos_token_ids=set(), max_model_len=100)
+        r = runner_request(f"r{i}", [1], sp, eos_token_ids=set())
         for _ in range(5):
             r.append_token(0)
         reqs.append(r)
@@ -559,7 +564,7 @@ def test_far_below_max_tokens_keep_a_tiny_mass_and_banned_ones_none():
     logits[:, 0] = 50.0  # eos: the max, banned by min_tokens
     logits[:, 1500] = -20.0  # the only other token within 80 of the max
     sp = SamplingParams(min_tokens=5, temperature=1.0)
-    reqs = [Request(f"r{i}", [0], sp, eos_token_ids={0}, max_model_len=100) for i in range(n)]
+    reqs = [runner_request(f"r{i}", [0], sp, eos_token_ids={0}) for i in range(n)]
     assert set(sample(Sampler(CPU, seed=0), logits, reqs)) == {1500}
 
 

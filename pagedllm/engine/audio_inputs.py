@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.engine.request import Frame, Request
+from pagedllm.engine.step_input import Frame
 from pagedllm.errors import InvalidPromptError
 from pagedllm.model_executor.audio_sampling import (
     AudioGenerationState,
@@ -145,10 +145,9 @@ class AudioGeneration:
         """A request's audio state at admission (counters from the prompt's tail, RAS history)."""
         return AudioGenerationState.from_prompt(self.spec, prompt.token_ids, prompt.codes, ras=self.ras, seed=seed)
 
-    def output_codes(self, request: Request) -> torch.Tensor:
-        """The request's generated codes so far, (frames, num_codebooks), delay pattern removed: the rows
-        whose every codebook is known (streaming grows them), as the processor's batch_decode reads them."""
-        frames = request.audio_state.frames
+    def output_codes(self, frames: list[list[int]]) -> torch.Tensor:
+        """A request's generated frames so far as codes, (frames, num_codebooks), delay pattern removed: the
+        rows whose every codebook is known (streaming grows them), as the processor's batch_decode reads them."""
         if not frames:
             return torch.empty((0, self.spec.num_codebooks), dtype=torch.long)
         return extract_audio_codes(torch.tensor(frames, dtype=torch.long), self.spec)

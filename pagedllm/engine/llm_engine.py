@@ -291,8 +291,10 @@ class LLMEngine:
         self.last_step_num_requests = len(plan.scheduled)
         if plan.is_empty:
             return []
-        result = self.runner.execute(plan)
-        self.scheduler.update(plan, {rid: row.token_id for rid, row in result.sampled.items()})
+        result = self.runner.execute(self.scheduler.runner_input(plan))
+        self.scheduler.update(plan, {rid: row.token_id for rid, row in result.sampled.items()},
+                              {rid: (row.frame, row.audio_finished) for rid, row in result.sampled.items()
+                               if row.frame is not None})
         touched = self._process_outputs(plan, result)
         outputs = []
         for group in touched:
@@ -370,7 +372,7 @@ class LLMEngine:
                 logprobs=list(req.output_logprobs) if want_lp else None,
                 finish_reason=FINISH_REASONS.get(req.status),
                 stop_reason=req.stop_reason,
-                audio_codes=self.audio.output_codes(req) if req.audio_state is not None else None,
+                audio_codes=self.audio.output_codes(req.audio_frames) if req.generates_audio else None,
             ))
         reqs = [seq.request for seq in group.sequences]
         scheduled = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]

@@ -3,17 +3,11 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
-import torch
-
+from pagedllm.engine.step_input import Frame, frames_between
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedllm.model_executor.audio_sampling import AudioGenerationState
-
-Frame = tuple[int, ...]  # one audio position's codes, one per codebook
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,7 +52,7 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         prompt_frames: list[Frame | None] | None = None,
-        audio_state: AudioGenerationState | None = None,
+        audio_state: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -85,13 +79,14 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Multi-codebook audio models: a position is an audio frame (a vector of codes) or a text token.
         # `prompt_frames` is aligned with the prompt (None at text positions); every generated position is
-        # a frame, kept in order by `audio_state` (which also rules how the next one is sampled).
+        # a frame. `audio_state` (the delay pattern's state at admission) goes to the model runner with the
+        # request, which owns it from then on and reports each frame it samples (`audio_frames`).
         self.prompt_frames = prompt_frames
         self.audio_state = audio_state
-        # Sampling state.
-        # A seeded request samples from its own generator (made by the sampler on the model's
-        # device), so its output does not depend on what else is in the batch.
-        self.generator: torch.Generator | None = None
+        self.generates_audio = audio_state is not None
+        self.audio_frames: list[list[int]] = []  # generated, delay pattern included
+        self.audio_finished = False  # every codebook emitted stream eos
+        # What the engine reports (the sampling state itself lives in the model runner).
         self.output_logprobs: list[dict[int, Logprob]] = []
         self.prompt_logprobs: list[dict[int, Logprob] | None] = []
         self.cumulative_logprob = 0.0
@@ -119,19 +114,12 @@ class Request:
     @property
     def has_audio(self) -> bool:
         """Positions of this request carry audio frames (its prompt's, or generated ones)."""
-        return self.prompt_frames is not None or self.audio_state is not None
+        return self.prompt_frames is not None or self.generates_audio
 
     def frames(self, start: int, end: int) -> list[Frame | None]:
-        """The frames of positions [start, end) (None at text positions). Only for `has_audio` requests."""
-        p = self.num_prompt_tokens
-        out: list[Frame | None] = []
-        if start < p:
-            prompt = self.prompt_frames
-            out.extend(prompt[start:min(end, p)] if prompt is not None else [None] * (min(end, p) - start))
-        if end > p:
-            generated = self.audio_state.frames if self.audio_state is not None else []
-            out.extend(tuple(f) for f in generated[max(start, p) - p:end - p])
-        return out
+        """The frames of positions [start, end) (None at text positions), as the runner reported the
+        generated ones. Only for `has_audio` requests (prefix-cache hashes tell audio blocks apart by them)."""
+        return frames_between(self.prompt_frames, self.num_prompt_tokens, self.audio_frames, start, end)
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.kv_cache_manager import BlockCopy, KVCacheManager
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.engine.step_input import NewRequestData, ScheduledTokens, StepInput
 
 
 @dataclass
@@ -80,6 +81,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # swapped out, kept in (priority, arrival) order
         self.preemption_stats = PreemptionStats()
+        # The model runner's view: ids whose state it holds, and those finished since its last step.
+        self._known_to_runner: set[str] = set()
+        self._finished_for_runner: list[str] = []
 
     @property
     def num_preemptions(self) -> int:
@@ -109,6 +113,12 @@ class Scheduler:
             self.swapped.remove(request)
         request.status = status
         self.kv_cache.free(request)
+        self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        if request.request_id in self._known_to_runner:
+            self._known_to_runner.discard(request.request_id)
+            self._finished_for_runner.append(request.request_id)
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -221,8 +231,29 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance cursors, append sampled tokens, apply token-level stops. Returns finished requests."""
+    def runner_input(self, out: SchedulerOutput) -> StepInput:
+        """The step as plain data for the model runner: each scheduled request's slice, the static data of
+        those it has not seen yet, and the ids finished since its last step. Called once per executed step,
+        before `update` moves the cursors."""
+        step = StepInput(blocks_to_swap_out=out.blocks_to_swap_out, blocks_to_swap_in=out.blocks_to_swap_in,
+                         finished_request_ids=self._finished_for_runner)
+        self._finished_for_runner = []
+        for s in out.scheduled:
+            req = s.request
+            if req.request_id not in self._known_to_runner:
+                self._known_to_runner.add(req.request_id)
+                step.new_requests.append(NewRequestData(
+                    req.request_id, req.prompt_token_ids, req.sampling_params, frozenset(req.eos_token_ids),
+                    req.prompt_frames, req.audio_state))
+                req.audio_state = None  # the runner's from now on
+            step.scheduled.append(ScheduledTokens(req.request_id, req.num_computed_tokens, s.num_new_tokens,
+                                                  s.block_table, s.samples))
+        return step
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               audio: dict[str, tuple[list[int], bool]] | None = None) -> list[Request]:
+        """Advance cursors, append sampled tokens (and an audio model's frames: id -> (frame, audio
+        finished)), apply token-level stops. Returns finished requests."""
         finished = []
         for s in out.scheduled:
             req = s.request
@@ -231,18 +262,22 @@ class Scheduler:
             if token is None:
                 continue
             req.append_token(token)
+            if audio and req.request_id in audio:
+                frame, req.audio_finished = audio[req.request_id]
+                req.audio_frames.append(frame)
             status = self._check_stop(req, token)
             if status is not None:
                 self.running.remove(req)
                 req.status = status
                 self.kv_cache.free(req)
+                self._forget(req)
                 finished.append(req)
         return finished
 
     @staticmethod
     def _check_stop(req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
-        if req.audio_state is not None and req.audio_state.finished:  # every codebook emitted stream eos
+        if req.audio_finished:  # every codebook emitted stream eos
             return RequestStatus.FINISHED_STOPPED
         if req.num_output_tokens >= params.min_tokens:  # the sampler masked stops until then
             if token in req.eos_token_ids:

@@ -6,12 +6,12 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedllm.engine.request import Request
 from pagedllm.model_executor.audio_sampling import (
     AudioGenerationState,
     DelayPatternSpec,
     sample_audio_steps,
 )
+from pagedllm.model_executor.request_state import RunnerRequest as Request
 from pagedllm.model_executor.sampler import SampledRow
 from pagedllm.sampling_params import SamplingParams
 
@@ -39,10 +39,11 @@ def audio_forward_inputs(requests: Sequence[Request], starts: Sequence[int], len
 
 def sample_audio(logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator) -> list[SampledRow]:
     """One frame per request from (rows, num_codebooks, codebook_size) logits. Each request's audio
-    state keeps the frame; the row's token is the placeholder to feed it back with (or the final eos)."""
+    state keeps the frame, and the row reports it; the row's token is the placeholder to feed it back
+    with (or the final eos)."""
     steps = sample_audio_steps([r.audio_state for r in requests], logits, [r.sampling_params for r in requests],
                                generator)
-    return [SampledRow(step.token_id) for step in steps]
+    return [SampledRow(step.token_id, frame=list(step.codes), audio_finished=step.finished) for step in steps]
 
 
 def profile_audio_inputs(num_tokens: int, spec: DelayPatternSpec, device: torch.device) -> dict[str, torch.Tensor]:

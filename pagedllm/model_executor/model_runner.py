@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.request import Request
-from pagedllm.engine.scheduler import SchedulerOutput
+from pagedllm.engine.step_input import StepInput
 from pagedllm.memory.profiler import measure_peak_bytes
 from pagedllm.model_executor.attention import (
     AttentionShape,
@@ -26,6 +25,7 @@ from pagedllm.model_executor.audio_runner import (
 from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.model_executor.kv_quant import is_fp8
 from pagedllm.model_executor.loader import load_model
+from pagedllm.model_executor.request_state import RunnerRequest
 from pagedllm.model_executor.sampler import SampledRow, Sampler
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
@@ -66,6 +66,7 @@ class ModelRunner:
         # Multi-codebook audio models: frames in and out (audio_runner); None for text models.
         self.audio_spec = getattr(self.model, "audio_spec", None)
         self.kv_cache: torch.Tensor | None = None
+        self.requests: dict[str, RunnerRequest] = {}  # the runner's state of each request it has been sent
         self.swap_cache: torch.Tensor | None = None  # host copy of the layout for swapped-out blocks
         if is_fp8(config.kv_cache_dtype):
             self._log_kv_scales()
@@ -133,7 +134,7 @@ class ModelRunner:
                                       pin_memory=self.device.type == "cuda")
 
     @torch.inference_mode()
-    def swap_blocks(self, step: SchedulerOutput) -> None:
+    def swap_blocks(self, step: StepInput) -> None:
         """The step's block copies, every layer's K and V in one gather and one scatter per direction.
         Swap-outs run first: this step's forward (or swap-ins) may write the device blocks they free."""
         if step.blocks_to_swap_out:
@@ -150,30 +151,38 @@ class ModelRunner:
         src, dst = zip(*copies)
         return torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
 
+    def update_states(self, step: StepInput) -> None:
+        """Drop the state of requests finished since the last step; make it for those new to the runner."""
+        for request_id in step.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in step.new_requests:
+            self.requests[new.request_id] = RunnerRequest.from_new(new)
+
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, step: StepInput) -> ModelRunnerOutput:
+        self.update_states(step)
         self.swap_blocks(step)  # before the forward, which may write blocks swapped out this step
         if not step.scheduled:
             return ModelRunnerOutput()
+        reqs = [self.requests[s.request_id] for s in step.scheduled]
         starts, lengths, tables, input_ids = [], [], [], []
-        for s in step.scheduled:
-            c = s.request.num_computed_tokens
+        for s, req in zip(step.scheduled, reqs):
+            c = s.num_computed_tokens
             starts.append(c)
             lengths.append(s.num_new_tokens)
             tables.append(s.block_table)
-            input_ids.extend(s.request.all_token_ids[c:c + s.num_new_tokens])
+            input_ids.extend(req.token_ids[c:c + s.num_new_tokens])
         meta = self.attn_backend.build_metadata(starts, lengths, tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         audio = {} if self.audio_spec is None else audio_forward_inputs(
-            [s.request for s in step.scheduled], starts, lengths, self.audio_spec.num_codebooks, self.device)
+            reqs, starts, lengths, self.audio_spec.num_codebooks, self.device)
         with forward_context(meta):
             hidden = self.model(ids, meta.positions, **audio)  # (tokens, hidden)
 
         # Rows whose logits we need: each sampling request's last token, then prompt-logprob rows.
         sample_rows, sample_reqs, prompt_spans = [], [], []
         offset = 0
-        for s, c, n in zip(step.scheduled, starts, lengths):
-            req = s.request
+        for s, req, c, n in zip(step.scheduled, reqs, starts, lengths):
             if s.samples:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
@@ -191,11 +200,12 @@ class ModelRunner:
             sample = self.sampler if self.audio_spec is None else self._sample_audio
             for req, row in zip(sample_reqs, sample(logits, sample_reqs)):
                 out.sampled[req.request_id] = row
+                req.append_token(row.token_id)
         for req, first, offset, count in prompt_spans:
             out.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, first, hidden[offset:offset + count])
         return out
 
-    def _sample_audio(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledRow]:
+    def _sample_audio(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> list[SampledRow]:
         """Audio frames; unseeded requests draw from the engine's seeded generator, as text ones do."""
         return sample_audio(logits, requests, self.sampler.generator)
 
@@ -224,8 +234,8 @@ class ModelRunner:
             next_block += count
         self.allocate_kv_cache(next_block)  # scratch cache, outside the measurement
         rows = min(max_num_seqs, sum(lengths))
-        fake = [Request(f"profile-{i}", [0], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1), set(), 2)
-                for i in range(rows)]
+        fake = [RunnerRequest(f"profile-{i}", [0], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1),
+                              token_ids=[0]) for i in range(rows)]
         ids = torch.randint(0, self.config.model.vocab_size, (sum(lengths),), device=self.device)
         spec = self.audio_spec
         audio = {} if spec is None else profile_audio_inputs(sum(lengths), spec, self.device)

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.engine.request import Request
 from pagedllm.model_executor.cpu_ops import fused_kernels
 from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.model_executor.request_state import RunnerRequest as Request
 
 _NEG_INF = float("-inf")
 
@@ -15,6 +18,9 @@ _NEG_INF = float("-inf")
 @dataclass
 class SampledRow:
     token_id: int
+    # Audio models: the frame sampled (delay pattern included), and whether every codebook has ended.
+    frame: list[int] | None = None
+    audio_finished: bool = False
     # (logprob of the chosen token, its rank, top-N ids, top-N logprobs) when logprobs were asked for
     logprob: float | None = None
     rank: int | None = None

@@ -1,0 +1,64 @@
+"""What the model runner receives each step: plain data, no engine objects (as vLLM v1's scheduler
+output). A request's static data comes once, the first time it is scheduled; from then on the runner
+keeps that request's state (its tokens, sampling generator, audio delay-pattern state) until the
+request is listed as finished. This is also what another rank's worker process would receive."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedllm.sampling_params import SamplingParams
+
+Frame = tuple[int, ...]  # one audio position's codes, one per codebook
+BlockCopy = tuple[int, int]  # (source block, destination block)
+
+
+def frames_between(prompt_frames: list[Frame | None] | None, num_prompt_tokens: int,
+                   generated: list[list[int]], start: int, end: int) -> list[Frame | None]:
+    """The frames of positions [start, end) of a sequence (None at text positions): the prompt's, then the
+    generated ones (every generated position of an audio model is a frame)."""
+    p = num_prompt_tokens
+    out: list[Frame | None] = []
+    if start < p:
+        out.extend(prompt_frames[start:min(end, p)] if prompt_frames is not None else [None] * (min(end, p) - start))
+    if end > p:
+        out.extend(tuple(f) for f in generated[max(start, p) - p:end - p])
+    return out
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]  # what min_tokens keeps the sampler from picking
+    # Multi-codebook audio models: the prompt's frames (None at text positions), and the audio
+    # generation state at admission (the runner owns it from here on).
+    prompt_frames: list[Frame | None] | None = None
+    audio_state: Any = None
+
+
+@dataclass(frozen=True)
+class ScheduledTokens:
+    """One request's slice of the step: tokens [num_computed_tokens, num_computed_tokens + num_new_tokens),
+    their K/V going to the blocks of block_table."""
+
+    request_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_table: list[int]
+    samples: bool  # the slice reaches the end of the request's tokens: a token is sampled
+
+
+@dataclass
+class StepInput:
+    scheduled: list[ScheduledTokens] = field(default_factory=list)
+    new_requests: list[NewRequestData] = field(default_factory=list)  # seen by the runner for the first time
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last step: drop their state
+    # K/V block copies before this step's forward: swap-outs first, then swap-ins.
+    blocks_to_swap_out: list[BlockCopy] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[BlockCopy] = field(default_factory=list)  # (host block, device block)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)

@@ -1,0 +1,67 @@
+"""The model runner's own state of a request, built from its NewRequestData and kept until the
+request finishes: the token ids (the prompt, then what the runner sampled), the sampling generator of a
+seeded request, and an audio model's delay-pattern state. The sampler reads these."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedllm.engine.step_input import Frame, NewRequestData, frames_between
+from pagedllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedllm.model_executor.audio_sampling import AudioGenerationState
+
+
+@dataclass
+class RunnerRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    token_ids: list[int] = field(default_factory=list)  # prompt + sampled
+    prompt_frames: list[Frame | None] | None = None
+    audio_state: AudioGenerationState | None = None
+    # A seeded request samples from its own generator (made by the sampler on the model's device), so
+    # its output does not depend on what else is in the batch; kept across preemptions.
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.ignore_eos:  # eos is then an ordinary token (as the engine's Request has it)
+            self.eos_token_ids = frozenset()
+
+    @classmethod
+    def from_new(cls, new: NewRequestData) -> RunnerRequest:
+        return cls(new.request_id, list(new.prompt_token_ids), new.sampling_params, frozenset(new.eos_token_ids),
+                   list(new.prompt_token_ids), new.prompt_frames, new.audio_state)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    @property
+    def has_audio(self) -> bool:
+        """Positions of this request carry audio frames (its prompt's, or generated ones)."""
+        return self.prompt_frames is not None or self.audio_state is not None
+
+    def frames(self, start: int, end: int) -> list[Frame | None]:
+        """The frames of positions [start, end) (None at text positions). Only for `has_audio` requests."""
+        generated = self.audio_state.frames if self.audio_state is not None else []
+        return frames_between(self.prompt_frames, self.num_prompt_tokens, generated, start, end)
