@@ -56,8 +56,9 @@ class Sampler:
 
         logits = self._float_copy(logits)  # (rows, vocab), ours to change in place
         raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs >= 0 else None
-        for i, banned in bans:
-            logits[i, banned] = _NEG_INF
+        ban_index = _flat_index(bans, logits.device)
+        if ban_index is not None:
+            logits[ban_index] = _NEG_INF
         logits = self._apply_penalties(logits, requests)
         if all(greedy_rows):
             tokens = argmax_rows(logits)
@@ -118,14 +119,14 @@ class Sampler:
             return logits
         rows, vocab = logits.shape
         device = logits.device
+        # Every row's output and prompt tokens as one flat (row, token) index each: one copy to the device
+        # and one scatter for the whole batch, however many requests.
+        out_rows, out_ids = _flat_index([(i, r.output_token_ids) for i, r in enumerate(requests)], device,
+                                        empty=True)
         out_counts = torch.zeros((rows, vocab), device=device)
-        seen = torch.zeros((rows, vocab), dtype=torch.bool, device=device)
-        for i, r in enumerate(requests):
-            out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=device)
-            if len(out_ids):
-                out_counts[i].scatter_add_(0, out_ids, torch.ones(len(out_ids), device=device))
-            seen[i, torch.tensor(r.prompt_token_ids, dtype=torch.long, device=device)] = True
-        seen |= out_counts > 0
+        out_counts.index_put_((out_rows, out_ids), torch.ones(len(out_ids), device=device), accumulate=True)
+        seen = out_counts > 0
+        seen[_flat_index([(i, r.prompt_token_ids) for i, r in enumerate(requests)], device, empty=True)] = True
         rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
         pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
         freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
@@ -173,8 +174,9 @@ class Sampler:
             # min_tokens' banned tokens then get exactly 0 again.
             row_max = _chunk_reduce(logits, torch.amax).amax(dim=-1, keepdim=True)
             probs = logits.sub_(row_max).clamp_(min=-80.0).exp_()
-            for i, banned in bans:
-                probs[i, banned] = 0.0
+            ban_index = _flat_index(bans, probs.device)
+            if ban_index is not None:
+                probs[ban_index] = 0.0
         # Inverse-CDF sampling: one uniform number per row, from the request's own generator
         # when it is seeded. (Cheaper on CPU than drawing a noise value for every vocabulary entry.)
         uniform = torch.rand(len(requests), dtype=torch.float64, device=device, generator=self.generator)
@@ -202,6 +204,18 @@ class Sampler:
             n = p.logprobs
             row.top_ids = top_ids_l[i][:n] if n else []
             row.top_logprobs = top_lp_l[i][:n] if n else []
+
+
+def _flat_index(row_tokens: list[tuple[int, list[int]]], device: torch.device,
+                empty: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row ids, token ids) of (row, tokens) pairs as two index tensors, built on the host and copied
+    once; None (or, with `empty`, two empty tensors) when there are none."""
+    rows = [i for i, tokens in row_tokens for _ in tokens]
+    if not rows and not empty:
+        return None
+    flat = torch.tensor([rows, [t for _, tokens in row_tokens for t in tokens]], dtype=torch.long)
+    flat = flat.view(2, -1).to(device)
+    return flat[0], flat[1]
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
