@@ -5,7 +5,7 @@ import enum
 import time
 from typing import Any
 
-from pagedllm.engine.step_input import Frame, frames_between
+from pagedllm.engine.step_input import Frame, TokenSequence, frames_between
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 
@@ -33,7 +33,7 @@ FINISH_REASONS = {
 }
 
 
-class Request:
+class Request(TokenSequence):
     """One sequence being generated.
 
     `num_computed_tokens` counts the tokens whose K/V are in the cache; the scheduler moves it
@@ -92,24 +92,8 @@ class Request:
         self.cumulative_logprob = 0.0
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.all_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def has_audio(self) -> bool:
@@ -120,9 +104,6 @@ class Request:
         """The frames of positions [start, end) (None at text positions), as the runner reported the
         generated ones. Only for `has_audio` requests (prefix-cache hashes tell audio blocks apart by them)."""
         return frames_between(self.prompt_frames, self.num_prompt_tokens, self.audio_frames, start, end)
-
-    def append_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "

@@ -13,6 +13,34 @@ Frame = tuple[int, ...]  # one audio position's codes, one per codebook
 BlockCopy = tuple[int, int]  # (source block, destination block)
 
 
+class TokenSequence:
+    """What the engine's Request and the runner's RunnerRequest both derive from their token ids
+    (`all_token_ids`: the prompt, then the generated tokens; `num_prompt_tokens`; `sampling_params`)."""
+
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+
 def frames_between(prompt_frames: list[Frame | None] | None, num_prompt_tokens: int,
                    generated: list[list[int]], start: int, end: int) -> list[Frame | None]:
     """The frames of positions [start, end) of a sequence (None at text positions): the prompt's, then the

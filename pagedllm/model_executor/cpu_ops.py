@@ -14,6 +14,7 @@ from torch import nn
 
 from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
+from pagedllm.model_executor.models.llama import LlamaMLP
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the element-wise kernels and the GEMV take
 
@@ -24,12 +25,12 @@ def install_cpu_ops(model: nn.Module, pack: bool = True) -> int:
     kernels = cpu_kernels()
     dtype = next(model.parameters()).dtype
     if kernels is not None and dtype in NATIVE_DTYPES:
-        from pagedllm.model_executor.models.llama import LlamaMLP
-
+        native = {RMSNorm: ("forward", _native_rms_norm), RotaryEmbedding: ("rotate", _native_rotate),
+                  LlamaMLP: ("forward", _native_mlp)}
         for module in model.modules():
-            native = {RMSNorm: _native_rms_norm, RotaryEmbedding: _native_rotate, LlamaMLP: _native_mlp}.get(type(module))
-            if native is not None:
-                setattr(module, "rotate" if native is _native_rotate else "forward", types.MethodType(native, module))
+            if type(module) in native:
+                method, fn = native[type(module)]
+                setattr(module, method, types.MethodType(fn, module))
         if hasattr(model, "lm_head"):
             model.compute_logits = types.MethodType(_cpu_compute_logits, model)
     return pack_linear_weights(model) if pack else 0

@@ -22,7 +22,6 @@ from pagedllm.model_executor.audio_runner import (
     profile_audio_sampling,
     sample_audio,
 )
-from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.model_executor.kv_quant import is_fp8
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.request_state import RunnerRequest
@@ -70,8 +69,6 @@ class ModelRunner:
         self.swap_cache: torch.Tensor | None = None  # host copy of the layout for swapped-out blocks
         if is_fp8(config.kv_cache_dtype):
             self._log_kv_scales()
-        if self.device.type == "cpu":
-            cpu_kernels()  # built (or loaded from disk) now, not in the middle of the first decode step
 
     def _log_kv_scales(self) -> None:
         scales = {(a.k_scale, a.v_scale) for a in self.model.attention_layers()}
@@ -171,7 +168,7 @@ class ModelRunner:
             starts.append(c)
             lengths.append(s.num_new_tokens)
             tables.append(s.block_table)
-            input_ids.extend(req.token_ids[c:c + s.num_new_tokens])
+            input_ids.extend(req.all_token_ids[c:c + s.num_new_tokens])
         meta = self.attn_backend.build_metadata(starts, lengths, tables, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         audio = {} if self.audio_spec is None else audio_forward_inputs(
@@ -235,7 +232,7 @@ class ModelRunner:
         self.allocate_kv_cache(next_block)  # scratch cache, outside the measurement
         rows = min(max_num_seqs, sum(lengths))
         fake = [RunnerRequest(f"profile-{i}", [0], SamplingParams(temperature=1.0, top_p=0.9, max_tokens=1),
-                              token_ids=[0]) for i in range(rows)]
+                              all_token_ids=[0]) for i in range(rows)]
         ids = torch.randint(0, self.config.model.vocab_size, (sum(lengths),), device=self.device)
         spec = self.audio_spec
         audio = {} if spec is None else profile_audio_inputs(sum(lengths), spec, self.device)

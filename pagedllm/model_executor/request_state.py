@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pagedllm.engine.step_input import Frame, NewRequestData, frames_between
+from pagedllm.engine.step_input import Frame, NewRequestData, TokenSequence, frames_between
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -16,12 +16,12 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class RunnerRequest:
+class RunnerRequest(TokenSequence):
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
-    token_ids: list[int] = field(default_factory=list)  # prompt + sampled
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + sampled
     prompt_frames: list[Frame | None] | None = None
     audio_state: AudioGenerationState | None = None
     # A seeded request samples from its own generator (made by the sampler on the model's device), so
@@ -40,21 +40,6 @@ class RunnerRequest:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def wants_prompt_logprobs(self) -> bool:
-        return self.sampling_params.prompt_logprobs is not None
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
 
     @property
     def has_audio(self) -> bool:

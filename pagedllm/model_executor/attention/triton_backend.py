@@ -32,7 +32,7 @@ class StepBuffers:
     copies out of them are waited for (an event; a step that samples nothing does not otherwise wait)."""
 
     def __init__(self, max_num_tokens: int, max_num_seqs: int, max_blocks: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
+        self.cuda = pin = device.type == "cuda"
         shapes = {"positions": ((max_num_tokens,), torch.long), "slot_mapping": ((max_num_tokens,), torch.long),
                   "query_start": ((max_num_seqs + 1,), torch.int32), "seq_lens": ((max_num_seqs,), torch.int32),
                   "block_table": ((max_num_seqs * max_blocks,), torch.int32)}  # (requests, width) views
@@ -45,7 +45,7 @@ class StepBuffers:
         if self.copied is not None:
             self.copied.synchronize()  # the last step's copies have left the host twins
         out = {name: self.load(name, value) for name, value in values.items()}
-        if next(iter(self.device.values())).is_cuda:
+        if self.cuda:
             self.copied = torch.cuda.current_stream().record_event()
         return out
 
