@@ -143,10 +143,15 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     device: str = "cpu"
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs: every step launched kernel by kernel
     attention_backend: str = "auto"  # --attention-backend: auto, torch, cpu, triton (model_executor/attention)
+    cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, ...
 
     def __post_init__(self) -> None:
+        if self.cuda_graph_sizes is not None:
+            from pagedllm.model_executor.cuda_graphs import graph_batch_sizes
+
+            graph_batch_sizes(self.scheduler.max_num_seqs, self.cuda_graph_sizes)  # refuse bad sizes now
         mode, swap = self.scheduler.preemption_mode, self.cache.swap_space_bytes
         if mode == "swap" and not swap:
             raise ValueError("preemption_mode 'swap' needs swap space: pass --swap-space GiB (host memory for "

@@ -150,7 +150,7 @@ def test_top_p_one_drops_nothing_on_a_large_vocab() -> None:
     gen = torch.Generator().manual_seed(0)
     vocab = 128_256
     logits = torch.randn(4, vocab, generator=gen) * 3
-    out = _top_k_top_p(logits.clone(), [0, 50, 0, 0], [1.0, 1.0, 0.9, 1.0])
+    out = _top_k_top_p(logits.clone(), torch.tensor([0, 50, 0, 0]), torch.tensor([[1.0], [1.0], [0.9], [1.0]]))
     assert torch.equal(out[0], logits[0])  # nothing enabled for this row
     assert torch.equal(out[3], logits[3])
     assert int(torch.isfinite(out[1]).sum()) == 50  # exactly top-k, no top-p cut
@@ -249,11 +249,18 @@ def test_different_seeds_give_different_sequences() -> None:
     logits = torch.zeros(1, 1000)
     a, b, a2 = make_req("a", seed=1), make_req("b", seed=2), make_req("a2", seed=1)
     sampler = Sampler(CPU, seed=0)
-    seq_a = [sample(sampler, logits, [a])[0] for _ in range(10)]
-    seq_b = [sample(sampler, logits, [b])[0] for _ in range(10)]
-    seq_a2 = [sample(sampler, logits, [a2])[0] for _ in range(10)]
+
+    def run(req: RunnerRequest) -> list[int]:
+        out = []
+        for _ in range(10):
+            out.append(sample(sampler, logits, [req])[0])
+            req.append_token(out[-1])  # the next draw of the request
+        return out
+
+    seq_a, seq_b, seq_a2 = run(a), run(b), run(a2)
     assert seq_a == seq_a2
     assert seq_a != seq_b
+    assert len(set(seq_a)) > 5  # each draw differs: not one number repeated
 
 
 def test_unseeded_sampling_reproducible_with_sampler_seed() -> None:
@@ -594,9 +601,9 @@ def test_top_p_without_top_k_draws_among_candidates_inside_the_nucleus():
     row[:4] = torch.tensor([9.0, 8.5, 8.0, 7.0])  # 0.454, 0.275, 0.167, 0.061 of the whole row's mass
     top_p = 0.91
     best, _ = row[None].topk(1024, dim=-1)
-    scale = _nucleus_coverage(row[None].clone(), best, [0], [top_p])
+    scale = _nucleus_coverage(row[None].clone(), best, [0], torch.tensor([0]), torch.tensor([[top_p]]))
     assert scale is not None and top_p < scale.item() < 0.99  # the tail past the candidates holds ~3%
-    reference = torch.isfinite(_top_k_top_p(row[None].clone(), [0], [top_p]))[0]
+    reference = torch.isfinite(_top_k_top_p(row[None].clone(), torch.tensor([0]), torch.tensor([[top_p]])))[0]
     nucleus = set(torch.nonzero(reference).flatten().tolist())
     # Mass before token 3 is 0.896 of the whole row (< 0.91: kept) but 0.92 of the candidates' mass:
     # a nucleus measured against the candidates alone would wrongly drop it.
@@ -614,8 +621,8 @@ def test_top_p_nucleus_wider_than_the_candidates_falls_back_to_the_full_sort():
     vocab, n = 5000, 1000
     row = torch.randn(vocab, generator=gen) * 0.05  # nearly flat: a 0.9 nucleus holds ~4,500 tokens
     best, _ = row[None].topk(1024, dim=-1)
-    assert _nucleus_coverage(row[None].clone(), best, [0], [0.9]) is None
-    nucleus = torch.isfinite(_top_k_top_p(row[None].clone(), [0], [0.9]))[0]
+    assert _nucleus_coverage(row[None].clone(), best, [0], torch.tensor([0]), torch.tensor([[0.9]])) is None
+    nucleus = torch.isfinite(_top_k_top_p(row[None].clone(), torch.tensor([0]), torch.tensor([[0.9]])))[0]
     tokens = sample(Sampler(CPU, seed=0), row.expand(n, -1), make_reqs(n, top_p=0.9))
     assert all(nucleus[t] for t in tokens)
     rank = {t: r for r, t in enumerate(row.argsort(descending=True).tolist())}
@@ -636,3 +643,47 @@ def test_seeded_row_draws_the_same_token_on_the_candidate_and_full_paths(params)
         assert alone[0] == batched[0], seed
         differ += alone[0] != sample(Sampler(CPU, seed=0), row[None], [make_req("s", seed=seed + 1, **params)])[0]
     assert differ > 50  # the seeds really do draw different tokens
+
+
+# --------------------------------------------------------------------------------------------
+# Counter-based draws of seeded requests
+# --------------------------------------------------------------------------------------------
+def _splitmix64_uniform(seed: int, draw: int) -> float:
+    """splitmix64 in Python's exact integers modulo 2^64: what seeded_uniform computes in int64 tensors."""
+    mask = (1 << 64) - 1
+    x = (seed + (draw + 1) * 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    x ^= x >> 31
+    return (x >> 11) * 2.0 ** -53
+
+
+def test_seeded_uniform_is_splitmix64_with_64_bit_wraparound() -> None:
+    from pagedllm.model_executor.sampler import _seed_bits, seeded_uniform
+
+    seeds = [0, 1, 42, 2**31 - 1, 2**63 - 1, 2**64 - 1, -5, 12345678901234567890]
+    draws = [0, 1, 7, 1000, 2**40]
+    pairs = [(s, d) for s in seeds for d in draws]
+    got = seeded_uniform(torch.tensor([_seed_bits(s) for s, _ in pairs]), torch.tensor([d for _, d in pairs]))
+    assert got.dtype == torch.float64
+    expected = [_splitmix64_uniform(s & ((1 << 64) - 1), d) for s, d in pairs]
+    assert got.tolist() == expected
+    assert all(0.0 <= u < 1.0 for u in expected) and len(set(expected)) == len(expected)
+
+
+def test_seeded_draw_depends_only_on_seed_and_position() -> None:
+    """The n-th token of a seeded request is drawn with the n-th number of its seed, whatever came
+    before in the sampler (other steps, other requests): a request recomputed after preemption, or
+    sent again, draws the same tokens."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(1, 500, generator=gen)
+    fresh = make_req("a", seed=3, temperature=1.0)
+    busy_sampler = Sampler(CPU, seed=0)
+    for _ in range(5):  # the shared generator and other requests move on; the seeded draw does not
+        sample(busy_sampler, torch.randn(4, 500, generator=gen), make_reqs(4, temperature=1.0))
+    later = make_req("b", seed=3, temperature=1.0)
+    for _ in range(3):
+        t = sample(Sampler(CPU, seed=0), logits, [fresh])[0]
+        assert sample(busy_sampler, logits, [later])[0] == t
+        fresh.append_token(t)
+        later.append_token(t)

@@ -62,7 +62,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"  # auto (the model dtype), bfloat16, float16, float32, fp8, fp8_e4m3, fp8_e5m2
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs (vLLM's flag)
+    cuda_graph_sizes: list[int] | None = None  # decode batch sizes captured in CUDA graphs; None: 1, 2, 4, 8, 16, ...
     attention_backend: str = "auto"  # auto, torch, cpu or triton: how attention is computed (chosen at start)
     load_format: str = "auto"
     device: str = "auto"
@@ -123,7 +124,8 @@ class EngineArgs:
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                     max_model_len=max_model_len, preemption_mode=self.preemption_mode)
         return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, device=device,
-                            enforce_eager=self.enforce_eager, attention_backend=self._attention_backend())
+                            enforce_eager=self.enforce_eager, attention_backend=self._attention_backend(),
+                            cuda_graph_sizes=None if self.cuda_graph_sizes is None else tuple(self.cuda_graph_sizes))
 
     def _attention_backend(self) -> str:
         from pagedllm.model_executor.attention import ATTENTION_BACKENDS

@@ -74,6 +74,7 @@ class LLMEngine:
         self.config = config
         logger.info("memory plan:\n%s", self.memory_plan.table())
         self._allocate_kv_cache()
+        self._capture_graphs()
         self.num_swap_blocks = self._allocate_swap_space(config.cache.swap_space_bytes)
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, config.cache.block_size,
                                        enable_caching=config.cache.enable_prefix_caching,
@@ -95,6 +96,8 @@ class LLMEngine:
         if config.model.max_model_len_auto:
             settings = replace(settings, max_model_len=None)
         device = self.runner.device
+        graphs = self.runner.graphs  # what the runner really captures (a CPU's twin keeps no pool)
+        settings = replace(settings, cuda_graph_sizes=graphs.sizes if graphs is not None and device.type == "cuda" else ())
         weights = self.runner.weight_bytes
         # On a CPU before the profile run (whose freed heap the resident set keeps); on a GPU after it, with
         # the kernels its steps loaded and the workspaces they made.
@@ -112,7 +115,7 @@ class LLMEngine:
             activation = estimate_activation_bytes(config.model.hf_config, settings.dtype,
                                                    settings.max_num_batched_tokens, settings.max_num_seqs)
         facts = measured_model_facts(config.model.hf_config, config.model.model_max_len, settings, weights,
-                                     activation, overhead, source, device.type)
+                                     activation, overhead, source, device.type, self.runner.profiled_graph_bytes)
         host = host_memory() if device.type != "cpu" else None  # where a GPU's swap space goes
         return with_measured_offload_cost(MemoryPlan(settings, device_facts(at_start, host=host), facts))
 
@@ -124,6 +127,18 @@ class LLMEngine:
         except torch.OutOfMemoryError as e:
             self.runner.release_kv_cache()
             raise KVCacheMemoryError(kv_allocation_failure(plan, str(e).splitlines()[0])) from None
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of decode steps, after the KV cache (they record its addresses); what they took is
+        compared with what the plan set aside for them."""
+        self.runner.capture_graphs()
+        graphs, planned = self.runner.graphs, self.memory_plan.graph_pool_bytes
+        if graphs is None or graphs.pool_bytes is None or not planned:
+            return
+        if graphs.pool_bytes > planned:
+            logger.warning("the CUDA graphs took %.1f MiB, more than the %.1f MiB the memory plan set aside: lower "
+                           "--gpu-memory-utilization if other processes need the difference, or pass --enforce-eager",
+                           graphs.pool_bytes / 2**20, planned / 2**20)
 
     def _allocate_swap_space(self, swap_space_bytes: int) -> int:
         """Host blocks for --swap-space, sized by the bytes per block of the KV cache as allocated (its

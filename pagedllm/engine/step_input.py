@@ -1,6 +1,6 @@
 """What the model runner receives each step: plain data, no engine objects (as vLLM v1's scheduler
 output). A request's static data comes once, the first time it is scheduled; from then on the runner
-keeps that request's state (its tokens, sampling generator, audio delay-pattern state) until the
+keeps that request's state (its tokens, audio delay-pattern state) until the
 request is listed as finished. This is also what another rank's worker process would receive."""
 from __future__ import annotations
 

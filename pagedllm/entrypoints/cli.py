@@ -31,7 +31,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "cache; per-tensor k/v scales from the checkpoint, else 1.0)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV cache of prompts' shared prefixes (full blocks); on by default")
-    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every step's kernels are launched one by one (saves the graph pool's "
+                        "memory and the capture time at start; decode is slower)")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured in CUDA graphs at start (a decode step of n sequences replays "
+                        "the smallest >= n); default 1 2 4 8 16 24 ... up to --max-num-seqs")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                    help="how attention is computed: torch (PyTorch ops, any device), cpu (native CPU kernels), "
                         "triton (CUDA kernels reading the paged cache in place); auto: triton on CUDA, cpu on "

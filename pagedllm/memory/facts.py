@@ -8,6 +8,7 @@ from pathlib import Path
 from pagedllm.memory.device import DeviceMemory, host_to_device_bytes_per_s
 from pagedllm.memory.model_size import (
     estimate_activation_bytes,
+    estimate_graph_pool_bytes,
     kv_bytes_per_token,
     layer_weight_bytes_from_config,
     layer_weight_bytes_from_headers,
@@ -69,14 +70,22 @@ def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int,
         overhead_bytes=lambda s: estimated_overhead_bytes(device, s.cpu_offload_bytes),
         kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.kv_dtype, s.tensor_parallel_size),
         weights_source=weights_source,
+        graph_pool_bytes=lambda s: int(_graph_pool_estimate(hf_config, s) * CUDA_ALLOCATOR_SHARE),
     )
+
+
+def _graph_pool_estimate(hf_config, s: PlanSettings) -> int:
+    if not s.cuda_graph_sizes:
+        return 0
+    return estimate_graph_pool_bytes(hf_config, s.dtype, s.cuda_graph_sizes[-1], s.tensor_parallel_size)
 
 
 def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSettings, weight_bytes: int,
                          activation_bytes: int, overhead_bytes: int, activation_source: str = "measured",
-                         device: str = "cpu") -> ModelFacts:
+                         device: str = "cpu", graph_pool_bytes: int | None = None) -> ModelFacts:
     """Numbers the engine measured at `measured_at`; other settings (a lever being tried) scale them
-    by the ratio of the estimates, so fixes stay consistent with what was measured."""
+    by the ratio of the estimates, so fixes stay consistent with what was measured. graph_pool_bytes:
+    the profiled decode step of the largest CUDA graph size (None: not measured, estimated)."""
 
     def weights(s: PlanSettings) -> int:
         if (s.dtype, s.quantization) == (measured_at.dtype, measured_at.quantization):
@@ -95,6 +104,12 @@ def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSetting
             return estimate_activation_bytes(hf_config, x.dtype, x.max_num_batched_tokens, x.max_num_seqs)
         return int(activation_bytes * est(s) / max(est(measured_at), 1))
 
+    def graph_pool(s: PlanSettings) -> int:
+        estimate = int(_graph_pool_estimate(hf_config, s) * CUDA_ALLOCATOR_SHARE)
+        if graph_pool_bytes is None:
+            return estimate
+        return int(graph_pool_bytes * _graph_pool_estimate(hf_config, s) / max(_graph_pool_estimate(hf_config, measured_at), 1))
+
     return ModelFacts(
         model_max_len=model_max_len,
         weight_bytes=weights,
@@ -107,6 +122,8 @@ def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSetting
         weights_source="measured",
         activation_source=activation_source,
         overhead_source="measured",
+        graph_pool_bytes=graph_pool,
+        graph_pool_source="estimated" if graph_pool_bytes is None else "measured: decode step of the largest size",
     )
 
 
@@ -119,8 +136,20 @@ def settings_from(engine_config) -> PlanSettings:
         kv_cache_memory_bytes=c.cache.kv_cache_memory_bytes,
         num_gpu_blocks_override=c.cache.num_gpu_blocks_override, kv_cache_dtype=c.cache.cache_dtype,
         quantization=c.model.quantization, cpu_offload_bytes=c.model.cpu_offload_bytes,
-        swap_space_bytes=c.cache.swap_space_bytes,
+        swap_space_bytes=c.cache.swap_space_bytes, cuda_graph_sizes=planned_graph_sizes(c),
     )
+
+
+def planned_graph_sizes(engine_config) -> tuple[int, ...]:
+    """The decode sizes a CUDA engine with these flags captures (the engine's runner has the last word:
+    it also turns graphs off for a model its backend cannot run); () on a CPU and with --enforce-eager."""
+    from pagedllm.model_executor.cuda_graphs import graph_batch_sizes
+
+    c = engine_config
+    if (not c.device.startswith("cuda") or c.enforce_eager or c.attention_backend not in ("auto", "triton")
+            or c.model.cpu_offload_bytes):
+        return ()
+    return graph_batch_sizes(c.scheduler.max_num_seqs, c.cuda_graph_sizes)
 
 
 def with_measured_offload_cost(plan: MemoryPlan) -> MemoryPlan:

@@ -150,13 +150,33 @@ def estimate_activation_bytes(cfg, dtype: torch.dtype, num_tokens: int, max_num_
     (demo model 2048 tokens: 64.6 MiB measured; Qwen2.5-0.5B bf16, 2048 tokens, 256 rows:
     1215 MiB measured). Used for dry runs; the engine measures.
     """
-    h, i, v = cfg.hidden_size, cfg.intermediate_size, logits_per_row(cfg)
+    v = logits_per_row(cfg)
+    attention = num_tokens * num_tokens * 5  # boolean mask and its float scores for one block row
+    rows = min(num_tokens, max_num_seqs)
+    sampling = rows * v * (dtype.itemsize + 5 * 4 + 8)
+    return _layer_activation_bytes(cfg, dtype, num_tokens, tensor_parallel_size) + attention + sampling
+
+
+def _layer_activation_bytes(cfg, dtype: torch.dtype, num_tokens: int, tensor_parallel_size: int = 1) -> int:
+    """The live set at the peak of a decoder layer for `num_tokens` tokens (see estimate_activation_bytes)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     d = _head_dim(cfg)
     tp = tensor_parallel_size
     per_token = (3 * h + 2 * (heads + 2 * kv_heads) * d // tp + 3 * i // tp) * dtype.itemsize
-    attention = num_tokens * num_tokens * 5  # boolean mask and its float scores for one block row
-    rows = min(num_tokens, max_num_seqs)
-    sampling = rows * v * (dtype.itemsize + 5 * 4 + 8)
-    return int(num_tokens * per_token * 1.5) + attention + sampling
+    return int(num_tokens * per_token * 1.5)
+
+
+def estimate_graph_pool_bytes(cfg, dtype: torch.dtype, max_batch_size: int, tensor_parallel_size: int = 1) -> int:
+    """Memory the CUDA graphs of decode steps keep: one forward of the largest captured size (the graphs
+    share one pool, each capture reusing what the one before freed; logits and sampling run outside
+    them), its output, and the split-K partials of attention (float32, per query head, up to 64
+    partitions) of the largest size that splits: fewer sequences x KV heads than twice the SMs, taken
+    as an H100/H200's 132. Used for dry runs; the engine measures."""
+    heads = cfg.num_attention_heads // tensor_parallel_size
+    kv_heads = max(1, (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads) // tensor_parallel_size)
+    split_seqs = min(max_batch_size, (2 * 132 - 1) // kv_heads)
+    split_k = split_seqs * heads * 64 * (_head_dim(cfg) + 2) * 4
+    hidden = max_batch_size * cfg.hidden_size * dtype.itemsize
+    return _layer_activation_bytes(cfg, dtype, max_batch_size, tensor_parallel_size) + split_k + hidden

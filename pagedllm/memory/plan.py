@@ -55,6 +55,7 @@ class PlanSettings:
     quantization: str | None = None  # --quantization int8: the decoder Linears' weights in int8
     cpu_offload_bytes: int = 0  # --cpu-offload-gb, in bytes: whole decoder layers kept in host memory
     swap_space_bytes: int = 0  # --swap-space, in bytes: host memory for the KV blocks of preempted requests
+    cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured in CUDA graphs (): none, --enforce-eager
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -105,6 +106,10 @@ class ModelFacts:
     weights_source: str = "config shapes"
     activation_source: str = "estimated"
     overhead_source: str = "estimated"
+    # The CUDA graph pool: the activations of a decode step of the largest captured size, kept by the
+    # graphs (the smaller ones share it) plus the null block padded rows write to. None: no graphs.
+    graph_pool_bytes: Callable[[PlanSettings], int] | None = None
+    graph_pool_source: str = "estimated"
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,10 @@ class Fix:
     value: str
     effect: str
     extra_step_ms: float | None = None  # --cpu-offload-gb: the copies each forward waits for
+
+    @property
+    def command(self) -> str:
+        return f"{self.flag} {self.value}" if self.value else self.flag  # a switch (--enforce-eager) has no value
 
 
 @dataclass(frozen=True)
@@ -198,8 +207,17 @@ class MemoryPlan:
         return int(self.device.total_bytes * self.settings.gpu_memory_utilization)
 
     @property
+    def graph_pool_bytes(self) -> int:
+        """Device memory CUDA graphs keep (0: none captured; --cpu-offload-gb turns them off)."""
+        s, fn = self.settings, self.model.graph_pool_bytes
+        if not s.cuda_graph_sizes or s.cpu_offload_bytes or fn is None:
+            return 0
+        return fn(s) + self.block_bytes
+
+    @property
     def non_kv_bytes(self) -> int:
-        return self.weight_bytes + self.activation_bytes + self.overhead_bytes + self.component_bytes
+        return (self.weight_bytes + self.activation_bytes + self.overhead_bytes + self.component_bytes
+                + self.graph_pool_bytes)
 
     @property
     def component_bytes(self) -> int:
@@ -356,15 +374,18 @@ class MemoryPlan:
                     f"weights ({fmt_bytes(self.weight_bytes)}).")
         if self.kv_budget_bytes < self.block_bytes:
             swap = f", the swap space ({fmt_bytes(self.shared_swap_bytes)})" if self.shared_swap_bytes else ""
+            graphs = f", the CUDA graphs ({fmt_bytes(self.graph_pool_bytes)})" if self.graph_pool_bytes else ""
             return (f"after other processes ({fmt_bytes(others)}) and the weights ({fmt_bytes(self.weight_bytes)}), "
-                    f"the activation peak ({fmt_bytes(self.activation_bytes)}){swap}{self._components_text()} "
+                    f"the activation peak ({fmt_bytes(self.activation_bytes)}){swap}{graphs}{self._components_text()} "
                     f"and runtime overhead "
                     f"({fmt_bytes(self.overhead_bytes)}) leave {fmt_bytes(self.kv_budget_bytes)} of the "
                     f"{fmt_bytes(budget)} budget for the KV cache: not one block ({fmt_bytes(self.block_bytes)}).")
+        graphs = (f"; the CUDA graphs of decode steps take {fmt_bytes(self.graph_pool_bytes)} of the budget"
+                  if self.graph_pool_bytes else "")
         return (f"the KV cache gets {fmt_bytes(self.kv_budget_bytes)}, enough for "
                 f"{self.blocks_that_fit * s.block_size} tokens, but one sequence of max_model_len "
                 f"{self.max_model_len} needs {fmt_bytes(self.seq_bytes)} "
-                f"({fmt_bytes(self.kv_bytes_per_token)} per token).")
+                f"({fmt_bytes(self.kv_bytes_per_token)} per token){graphs}.")
 
     def _page_cache_aside(self) -> str:
         """Said beside what others hold: the page cache is not part of it."""
@@ -443,6 +464,8 @@ class MemoryPlan:
         swap = self._smaller_swap_fix()
         if swap is not None:
             candidates.append(swap)
+        if self.graph_pool_bytes:
+            candidates.append(("--enforce-eager", "", self.with_settings(cuda_graph_sizes=())))
         return [Fix(flag, value, self._effect_of(flag, p), p.offload_step_ms if flag == "--cpu-offload-gb" else None)
                 for flag, value, p in candidates if p.fits]
 
@@ -498,6 +521,9 @@ class MemoryPlan:
             text = (f"{fixed.effect()}; weights in device memory {fmt_bytes(self.weight_bytes)} -> "
                     f"{fmt_bytes(fixed.weight_bytes)} ({fmt_bytes(self.weight_bytes - fixed.weight_bytes)} saved)")
             return text + (f"; {fixed.offload_cost()}" if flag == "--cpu-offload-gb" else "")
+        if flag == "--enforce-eager":
+            return (f"{fixed.effect()}; frees the CUDA graph pool ({fmt_bytes(self.graph_pool_bytes)}), and decode "
+                    f"steps are launched kernel by kernel (slower)")
         return fixed.effect(self if flag == "--kv-cache-dtype" else None)
 
     def _cpu_offload_fix(self) -> tuple[str, str, MemoryPlan] | None:
@@ -570,6 +596,7 @@ class MemoryPlan:
             (f"activation peak ({s.max_num_batched_tokens} tokens/step)", fmt_bytes(self.activation_bytes),
              m.activation_source),
             self._overhead_row(),
+            *self._graph_rows(),
             *self._component_rows(),
             ("left for the KV cache", fmt_bytes(self.kv_budget_bytes),
              "--kv-cache-memory" if s.kv_cache_memory_bytes is not None else ""),
@@ -591,7 +618,7 @@ class MemoryPlan:
             fixes = self.fixes()
             if fixes:
                 lines.append("  fixes (each alone makes the plan fit):")
-                lines += [f"    {f.flag} {f.value}: {f.effect}" for f in fixes]
+                lines += [f"    {f.command}: {f.effect}" for f in fixes]
             util_fix = any(f.flag == "--gpu-memory-utilization" for f in fixes)
             if (not util_fix and not self.kv_fits and s.kv_cache_memory_bytes is None
                     and s.num_gpu_blocks_override is None):
@@ -626,6 +653,13 @@ class MemoryPlan:
         note = m.overhead_source if m.overhead_source == "measured" else f"{m.overhead_source} (the engine measures it)"
         return f"runtime overhead ({what})", fmt_bytes(self.overhead_bytes), note
 
+    def _graph_rows(self) -> list[tuple[str, str, str]]:
+        sizes = self.settings.cuda_graph_sizes
+        if not self.graph_pool_bytes:
+            return []
+        return [(f"CUDA graphs ({len(sizes)} decode sizes, up to {sizes[-1]} rows)", fmt_bytes(self.graph_pool_bytes),
+                 f"{self.model.graph_pool_source}; --enforce-eager: none")]
+
     def _component_rows(self) -> list[tuple[str, str, str]]:
         return [(f"{c.name} ({c.detail})" if c.detail else c.name, fmt_bytes(c.total_bytes),
                  f"weights {fmt_bytes(c.weight_bytes)} + peak {fmt_bytes(c.activation_bytes)}; {c.source}")
@@ -654,7 +688,7 @@ class MemoryPlan:
             if self.device.unified and short and self.settings.num_gpu_blocks_override is None:
                 return [head, f"  {UNIFIED_NO_OFFLOAD}: not offered."]
             return []
-        return [head, "  fixes (keep preempted requests' K/V):"] + [f"    {f.flag} {f.value}: {f.effect}" for f in fixes]
+        return [head, "  fixes (keep preempted requests' K/V):"] + [f"    {f.command}: {f.effect}" for f in fixes]
 
     def to_json(self) -> dict:
         return {
@@ -677,6 +711,8 @@ class MemoryPlan:
             "h2d_bytes_per_s": self.device.h2d_bytes_per_s,
             "activation_peak_bytes": self.activation_bytes,
             "overhead_bytes": self.overhead_bytes,
+            "cuda_graph_sizes": list(self.settings.cuda_graph_sizes),
+            "cuda_graph_pool_bytes": self.graph_pool_bytes,
             "components": [{"name": c.name, "weight_bytes": c.weight_bytes, "activation_peak_bytes": c.activation_bytes,
                             "source": c.source, "detail": c.detail} for c in self.components],
             "kv_cache_budget_bytes": self.kv_budget_bytes,
@@ -691,7 +727,8 @@ class MemoryPlan:
             "max_num_batched_tokens": self.settings.max_num_batched_tokens,
             "tensor_parallel_size": self.settings.tensor_parallel_size,
             "sources": {"weights": self.model.weights_source, "activation": self.model.activation_source,
-                        "overhead": self.model.overhead_source, "device": self.device.source},
+                        "overhead": self.model.overhead_source, "device": self.device.source,
+                        "cuda_graphs": self.model.graph_pool_source},
             "cause": self.cause,
             "fixes": [{"flag": f.flag, "value": f.value, "effect": f.effect}
                       | ({"extra_step_ms": f.extra_step_ms} if f.extra_step_ms is not None else {})

@@ -37,6 +37,18 @@ def audio_forward_inputs(requests: Sequence[Request], starts: Sequence[int], len
     }
 
 
+def decode_frames(requests: Sequence[Request], starts: Sequence[int]) -> list[tuple[int, ...]] | None:
+    """The frame at position starts[i] of each request, for a decode step (one token each); None when
+    some position is text (the step then runs eagerly: a graphed decode routes every row to audio)."""
+    frames = []
+    for req, start in zip(requests, starts):
+        frame = req.frames(start, start + 1)[0] if req.has_audio else None
+        if frame is None:
+            return None
+        frames.append(frame)
+    return frames
+
+
 def sample_audio(logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator) -> list[SampledRow]:
     """One frame per request from (rows, num_codebooks, codebook_size) logits. Each request's audio
     state keeps the frame, and the row reports it; the row's token is the placeholder to feed it back

@@ -278,7 +278,7 @@ def _draw(scores: torch.Tensor, states, params, generator: torch.Generator) -> t
     top_k = [p.top_k for p in params for _ in range(k)]
     top_p = [p.top_p for p in params for _ in range(k)]
     if any(t > 0 for t in top_k) or any(t < 1.0 for t in top_p):
-        rows = _top_k_top_p(rows, top_k, top_p)
+        rows = _top_k_top_p(rows, torch.tensor(top_k, device=device), torch.tensor(top_p, device=device)[:, None])
     uniform = torch.cat([_uniform(s, k, device, generator) for s in states])
     # A row forced to both stream bos and eos has no finite logit: the reference's argmax gives id 0
     # there (its sampling would fail), so we give 0 too.

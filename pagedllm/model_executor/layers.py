@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.model_executor.attention.base import current_forward_id
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -97,13 +98,14 @@ class RotaryEmbedding(nn.Module):
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer shares this module and the step's positions: look them up once per forward."""
         cached = getattr(self, "_step_cache", None)
-        if cached is None or cached[0] is not positions or cached[1] != dtype:
+        key = (current_forward_id(), positions, dtype)
+        if cached is None or cached[0] != key[0] or cached[1] is not positions or cached[2] != dtype:
             cos = self.cos[positions].to(dtype).unsqueeze(1)
             sin = self.sin[positions].to(dtype)
             half = sin.shape[-1] // 2
             signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
-            self._step_cache = cached = (positions, dtype, cos, signed_sin)
-        return cached[2], cached[3]
+            self._step_cache = cached = (*key, cos, signed_sin)
+        return cached[3], cached[4]
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}

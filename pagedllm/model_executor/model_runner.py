@@ -18,14 +18,22 @@ from pagedllm.model_executor.attention import (
 )
 from pagedllm.model_executor.audio_runner import (
     audio_forward_inputs,
+    decode_frames,
     profile_audio_inputs,
     profile_audio_sampling,
     sample_audio,
+)
+from pagedllm.model_executor.cuda_graphs import (
+    CudaGraphCapture,
+    DecodeGraphs,
+    EagerReplay,
+    graph_batch_sizes,
 )
 from pagedllm.model_executor.kv_quant import is_fp8
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.request_state import RunnerRequest
 from pagedllm.model_executor.sampler import SampledRow, Sampler
+from pagedllm.model_executor.step_buffers import StepBuffers
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.utils import cdiv
 
@@ -59,16 +67,96 @@ class ModelRunner:
             self.device, m.hf_config.num_attention_heads, m.num_kv_heads, m.head_dim, m.dtype, config.kv_cache_dtype))
         self.model = load_model(config.model, self.device)
         s = config.scheduler
-        self.attn_backend.allocate_buffers(max(s.max_num_batched_tokens, s.max_num_seqs), s.max_num_seqs,
-                                           cdiv(m.max_model_len, self.block_size), self.device)
-        self.sampler = Sampler(self.device, config.model.seed)
+        max_tokens = max(s.max_num_batched_tokens, s.max_num_seqs)
+        self.attn_backend.allocate_buffers(max_tokens, s.max_num_seqs, cdiv(m.max_model_len, self.block_size),
+                                           self.device)
+        self.sampler = Sampler(self.device, config.model.seed, s.max_num_seqs)
         # Multi-codebook audio models: frames in and out (audio_runner); None for text models.
         self.audio_spec = getattr(self.model, "audio_spec", None)
+        # The step's token ids (and a graphed audio decode's frames) in persistent device buffers.
+        inputs = {"input_ids": (max_tokens, torch.long)}
+        if self.audio_spec is not None:
+            inputs["audio_codes"] = (s.max_num_seqs * self.audio_spec.num_codebooks, torch.long)
+        self.inputs = StepBuffers(inputs, self.device)
+        self.graphs = self._decode_graphs()  # None: every step runs eagerly
+        self.null_block: int | None = None  # the KV block padded graph rows write to (one past the pool)
+        self.profiled_graph_bytes: int | None = None  # a decode step's peak at the largest graph size (CUDA)
         self.kv_cache: torch.Tensor | None = None
         self.requests: dict[str, RunnerRequest] = {}  # the runner's state of each request it has been sent
         self.swap_cache: torch.Tensor | None = None  # host copy of the layout for swapped-out blocks
         if is_fp8(config.kv_cache_dtype):
             self._log_kv_scales()
+
+    # -- CUDA graphs ------------------------------------------------------------------------------
+    def graphs_off_reason(self) -> str | None:
+        """Why decode steps run eagerly (None: they replay CUDA graphs, or their CPU twin)."""
+        if self.config.enforce_eager:
+            return "--enforce-eager"
+        if not self.attn_backend.supports_graphs:
+            return f"the {self.attn_backend.name} attention backend builds its inputs on the host each step"
+        if self.model.layer_offloads:
+            return "--cpu-offload-gb copies layers in on a side stream"
+        return None
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        reason = self.graphs_off_reason()
+        if reason is not None:
+            if self.device.type == "cuda":
+                logger.info("CUDA graphs off (%s): every step is launched kernel by kernel", reason)
+            return None
+        sizes = graph_batch_sizes(self.config.scheduler.max_num_seqs, self.config.cuda_graph_sizes)
+        capture = CudaGraphCapture(self.device) if self.device.type == "cuda" else EagerReplay()
+        return DecodeGraphs(sizes, capture, self._graph_step, self._fill_padding)
+
+    def _graph_step(self, batch_size: int):
+        """What the graph of `batch_size` one-token sequences records: the model's forward over the
+        persistent inputs (logits and sampling stay outside: they differ by request)."""
+        meta = self.attn_backend.graph_metadata(batch_size, self.block_size)
+        ids = self.inputs.device["input_ids"][:batch_size]
+        extra = {}
+        if self.audio_spec is not None:  # frames in: every row of a graphed audio decode is audio
+            k = self.audio_spec.num_codebooks
+            extra = {"audio_codes": self.inputs.device["audio_codes"][:batch_size * k].view(batch_size, k),
+                     "all_audio": True}
+
+        def forward() -> torch.Tensor:
+            with forward_context(meta):
+                return self.model(ids, meta.positions, **extra)
+
+        return forward
+
+    def _fill_padding(self, batch_size: int) -> None:
+        """The persistent inputs of a step of padding rows only (captures run it: their K/V go to the null block)."""
+        self._fill_graph_inputs(batch_size, [], [], [], [])
+
+    def _fill_graph_inputs(self, batch_size: int, starts: list[int], tables: list[list[int]], input_ids: list[int],
+                           frames: list) -> None:
+        pad = batch_size - len(starts)
+        self.attn_backend.build_metadata(starts + [0] * pad, [1] * batch_size, tables + [[self.null_block]] * pad,
+                                         self.block_size, self.device)
+        inputs = {"input_ids": torch.tensor(input_ids + [0] * pad, dtype=torch.long)}
+        if self.audio_spec is not None:
+            k = self.audio_spec.num_codebooks
+            inputs["audio_codes"] = torch.tensor([list(f) for f in frames] + [[0] * k] * pad,
+                                                 dtype=torch.long).view(-1)
+        self.inputs.load_all(inputs)
+
+    def capture_graphs(self) -> None:
+        """Capture every decode size now (on a GPU; the CPU twin captures each size when first used).
+        Needs the KV cache: graphs record its addresses."""
+        if self.graphs is None or self.graphs.capturer.lazy:
+            return
+        with torch.inference_mode():
+            self.graphs.capture_all(self.device)
+        g = self.graphs
+        logger.info("CUDA graphs: %d decode batch sizes (%s) captured in %.1f s; graph pool %.1f MiB", len(g.sizes),
+                    _sizes_text(g.sizes), g.capture_seconds, (g.pool_bytes or 0) / 2**20)
+
+    def _graph_batch_size(self, step: StepInput, reqs: list[RunnerRequest]) -> int | None:
+        """The graph size a step replays, or None (a prefill or mixed step, one too large, graphs off)."""
+        if self.graphs is None or any(s.num_new_tokens != 1 for s in step.scheduled):
+            return None
+        return self.graphs.batch_size_for(len(step.scheduled))
 
     def _log_kv_scales(self) -> None:
         scales = {(a.k_scale, a.v_scale) for a in self.model.attention_layers()}
@@ -97,9 +185,13 @@ class ModelRunner:
         return 0 if offloader is None else offloader.slot_bytes
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One tensor for every layer's K and V (kv_cache_shape); each attention layer gets views of its slice."""
+        """One tensor for every layer's K and V (kv_cache_shape); each attention layer gets views of its slice.
+        With CUDA graphs, one block more: the null block padded rows write to (the block manager's pool is
+        blocks 0 .. num_blocks - 1)."""
         m = self.config.model
-        shape = kv_cache_shape(m.num_layers, m.num_kv_heads, num_blocks * self.block_size, m.head_dim)
+        self.null_block = num_blocks if self.graphs is not None else None
+        total = num_blocks + (self.graphs is not None)
+        shape = kv_cache_shape(m.num_layers, m.num_kv_heads, total * self.block_size, m.head_dim)
         # Zeros, not empty: padded key positions are multiplied by 0 attention, and 0 * NaN is NaN.
         self.kv_cache = torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
         bind_kv_cache(self.model.attention_layers(), self.kv_cache)
@@ -169,12 +261,7 @@ class ModelRunner:
             lengths.append(s.num_new_tokens)
             tables.append(s.block_table)
             input_ids.extend(req.all_token_ids[c:c + s.num_new_tokens])
-        meta = self.attn_backend.build_metadata(starts, lengths, tables, self.block_size, self.device)
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        audio = {} if self.audio_spec is None else audio_forward_inputs(
-            reqs, starts, lengths, self.audio_spec.num_codebooks, self.device)
-        with forward_context(meta):
-            hidden = self.model(ids, meta.positions, **audio)  # (tokens, hidden)
+        hidden = self._forward(step, reqs, starts, lengths, tables, input_ids)  # (tokens, hidden)
 
         # Rows whose logits we need: each sampling request's last token, then prompt-logprob rows.
         sample_rows, sample_reqs, prompt_spans = [], [], []
@@ -189,7 +276,7 @@ class ModelRunner:
             offset += n
         out = ModelRunnerOutput()
         if sample_rows:
-            rows = hidden[torch.tensor(sample_rows, device=self.device)]
+            rows = hidden if len(sample_rows) == len(hidden) else hidden[torch.tensor(sample_rows, device=self.device)]
             if self.audio_spec is None and self.sampler.reads_any_layout(sample_reqs):
                 logits = self.model.compute_logits(rows, vocab_major=True)
             else:
@@ -201,6 +288,27 @@ class ModelRunner:
         for req, first, offset, count in prompt_spans:
             out.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, first, hidden[offset:offset + count])
         return out
+
+    def _forward(self, step: StepInput, reqs: list[RunnerRequest], starts: list[int], lengths: list[int],
+                 tables: list[list[int]], input_ids: list[int]) -> torch.Tensor:
+        """The model's hidden states of the step's tokens: a decode step replays its CUDA graph (its rows
+        past len(reqs) are padding), any other runs eagerly."""
+        batch_size = self._graph_batch_size(step, reqs)
+        frames = None
+        if batch_size is not None and self.audio_spec is not None:
+            frames = decode_frames(reqs, starts)  # None where some row is text: that step runs eagerly
+            batch_size = None if frames is None else batch_size
+        if batch_size is not None:
+            graph = self.graphs.get(batch_size)  # (the CPU twin captures here, on first use)
+            self._fill_graph_inputs(batch_size, starts, tables, input_ids, frames or [])
+            graph.replay()
+            return graph.output[:len(reqs)]
+        meta = self.attn_backend.build_metadata(starts, lengths, tables, self.block_size, self.device)
+        ids = self.inputs.load_all({"input_ids": torch.tensor(input_ids, dtype=torch.long)})["input_ids"]
+        audio = {} if self.audio_spec is None else audio_forward_inputs(
+            reqs, starts, lengths, self.audio_spec.num_codebooks, self.device)
+        with forward_context(meta):
+            return self.model(ids, meta.positions, **audio)
 
     def _sample_audio(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> list[SampledRow]:
         """Audio frames; unseeded requests draw from the engine's seeded generator, as text ones do."""
@@ -265,10 +373,20 @@ class ModelRunner:
             peak = measure_peak_bytes(step, self.device)
             for n in decode_sizes:
                 decode_step(n)
+            if self.graphs is not None and self.device.type == "cuda":
+                # What the CUDA graphs will keep: a decode forward of the largest size, as they record it.
+                self._fill_padding(self.graphs.max_batch_size)
+                self.profiled_graph_bytes = measure_peak_bytes(self._graph_step(self.graphs.max_batch_size),
+                                                               self.device)
             return peak
         finally:
             self.release_kv_cache()
 
     def release_kv_cache(self) -> None:
+        self.null_block = None
         self.kv_cache = None
         bind_kv_cache(self.model.attention_layers(), None)
+
+
+def _sizes_text(sizes: tuple[int, ...]) -> str:
+    return ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{', '.join(map(str, sizes[:4]))}, ..., {sizes[-1]}"

@@ -1,12 +1,10 @@
 """The model runner's own state of a request, built from its NewRequestData and kept until the
-request finishes: the token ids (the prompt, then what the runner sampled), the sampling generator of a
-seeded request, and an audio model's delay-pattern state. The sampler reads these."""
+request finishes: the token ids (the prompt, then what the runner sampled) and an audio model's
+delay-pattern state. The sampler reads these."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-import torch
 
 from pagedllm.engine.step_input import Frame, NewRequestData, TokenSequence, frames_between
 from pagedllm.sampling_params import SamplingParams
@@ -24,9 +22,6 @@ class RunnerRequest(TokenSequence):
     all_token_ids: list[int] = field(default_factory=list)  # prompt + sampled
     prompt_frames: list[Frame | None] | None = None
     audio_state: AudioGenerationState | None = None
-    # A seeded request samples from its own generator (made by the sampler on the model's device), so
-    # its output does not depend on what else is in the batch; kept across preemptions.
-    generator: torch.Generator | None = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.ignore_eos:  # eos is then an ordinary token (as the engine's Request has it)

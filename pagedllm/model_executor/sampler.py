@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedllm.model_executor.cpu_ops import fused_kernels
+from pagedllm.model_executor.step_buffers import StepBuffers
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -32,48 +33,96 @@ def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
+# Columns of a step's per-row parameters, copied to the device as one int64 tensor (floats bit-cast).
+_FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INT_COLUMNS = ("greedy", "top_k", "seeded", "seed", "draw")
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling parameters: per-row tensors on the device (one host-to-device copy for
+    all of them) and the host-side facts that choose which operations run at all."""
+
+    params: list[SamplingParams]
+    temperature: torch.Tensor  # (rows, 1) float32; 1 for greedy rows
+    top_p: torch.Tensor  # (rows, 1) float32
+    min_p: torch.Tensor  # (rows, 1) float32
+    repetition_penalty: torch.Tensor  # (rows, 1) float32
+    presence_penalty: torch.Tensor  # (rows, 1) float32
+    frequency_penalty: torch.Tensor  # (rows, 1) float32
+    greedy: torch.Tensor  # (rows,) bool
+    top_k: torch.Tensor  # (rows,) int64, 0 = off
+    seeded: torch.Tensor  # (rows,) bool
+    seed: torch.Tensor  # (rows,) int64, the request's seed as 64 bits
+    draw: torch.Tensor  # (rows,) int64: which of the request's draws this is (its output tokens so far)
+    max_logprobs: int  # the most logprobs a row asks for; -1: none asked
+    any_seeded: bool
+
+    @classmethod
+    def build(cls, requests: list[Request], device: torch.device, buffers: StepBuffers | None) -> SamplingBatch:
+        params = [r.sampling_params for r in requests]
+        floats = torch.tensor([(1.0 if p.greedy else p.temperature, p.top_p, p.min_p, p.repetition_penalty,
+                                p.presence_penalty, p.frequency_penalty) for p in params], dtype=torch.float64)
+        ints = torch.tensor([(p.greedy, max(p.top_k, 0), p.seed is not None, _seed_bits(p.seed), r.num_output_tokens)
+                             for p, r in zip(params, requests)], dtype=torch.int64)
+        packed = torch.cat([floats.view(torch.int64), ints], dim=1).view(-1)
+        if buffers is not None and packed.numel() <= buffers.capacity("params"):
+            packed = buffers.load_all({"params": packed})["params"]
+        else:
+            packed = packed.to(device)
+        packed = packed.view(len(params), -1)
+        f = packed[:, :len(_FLOAT_COLUMNS)].contiguous().view(torch.float64).float()
+        i = packed[:, len(_FLOAT_COLUMNS):]
+        return cls(params, *(f[:, c:c + 1] for c in range(len(_FLOAT_COLUMNS))),
+                   greedy=i[:, 0].bool(), top_k=i[:, 1], seeded=i[:, 2].bool(), seed=i[:, 3], draw=i[:, 4],
+                   max_logprobs=max((p.logprobs or 0) if p.logprobs is not None else -1 for p in params),
+                   any_seeded=any(p.seed is not None for p in params))
+
+
 class Sampler:
-    """Greedy, temperature, top-k, top-p, min-p, penalties, min_tokens, seeds, logprobs.
+    """Greedy, temperature, top-k, top-p, min-p, penalties, min_tokens, seeds, logprobs: the whole
+    batch in tensor ops, with the per-row parameters in one tensor (SamplingBatch) and one copy of
+    the results to the host.
 
     Logprobs are those of the model's raw distribution (before temperature and penalties), as in
-    vLLM's default. A seeded request draws from its own generator, so its tokens do not depend on
-    the rest of the batch.
+    vLLM's default. A seeded request's n-th draw is a hash of (seed, n) (seeded_uniform), so its
+    tokens do not depend on the rest of the batch, nor on preemptions.
     """
 
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, max_num_seqs: int = 0) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._float_buffer: torch.Tensor | None = None  # see _float_copy
+        width = len(_FLOAT_COLUMNS) + len(_INT_COLUMNS)
+        self.buffers = StepBuffers({"params": (max_num_seqs * width, torch.int64)}, device) \
+            if max_num_seqs and device.type == "cuda" else None
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledRow]:
         params = [r.sampling_params for r in requests]
-        max_logprobs = max((p.logprobs or 0) if p.logprobs is not None else -1 for p in params)
-        greedy_rows = [p.greedy for p in params]
         bans = self._min_tokens_bans(requests)
-        if all(greedy_rows) and max_logprobs < 0 and not bans and not any(map(_has_penalty, params)):
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        if all(p.greedy for p in params) and not wants_logprobs and not bans and not any(map(_has_penalty, params)):
             # Nothing changes the logits: the first maximum of the model's own, with no float32 copy.
             return [SampledRow(t) for t in argmax_rows(logits).tolist()]
 
+        batch = SamplingBatch.build(requests, logits.device, self.buffers)
         logits = self._float_copy(logits)  # (rows, vocab), ours to change in place
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if max_logprobs >= 0 else None
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
         ban_index = _flat_index(bans, logits.device)
         if ban_index is not None:
             logits[ban_index] = _NEG_INF
-        logits = self._apply_penalties(logits, requests)
+        logits = self._apply_penalties(logits, requests, batch)
+        greedy_rows = [p.greedy for p in params]
         if all(greedy_rows):
             tokens = argmax_rows(logits)
         elif any(greedy_rows):
             greedy_tokens = argmax_rows(logits)  # before _sample reuses the logits in place
-            greedy = torch.tensor(greedy_rows, device=logits.device)
-            tokens = torch.where(greedy, greedy_tokens, self._sample(logits, requests, bans))
+            tokens = torch.where(batch.greedy, greedy_tokens, self._sample(logits, batch, bans))
         else:
-            tokens = self._sample(logits, requests, bans)
-
-        token_list = tokens.tolist()
-        rows = [SampledRow(t) for t in token_list]
-        if raw_logprobs is not None:
-            self._fill_logprobs(rows, raw_logprobs, tokens, params, max_logprobs)
-        return rows
+            tokens = self._sample(logits, batch, bans)
+        if raw_logprobs is None:
+            return [SampledRow(t) for t in tokens.tolist()]
+        return self._rows_with_logprobs(raw_logprobs, tokens, batch)
 
     @staticmethod
     def reads_any_layout(requests: list[Request]) -> bool:
@@ -113,9 +162,8 @@ class Sampler:
         return bans
 
     @staticmethod
-    def _apply_penalties(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
-        if not any(map(_has_penalty, params)):
+    def _apply_penalties(logits: torch.Tensor, requests: list[Request], batch: SamplingBatch) -> torch.Tensor:
+        if not any(map(_has_penalty, batch.params)):
             return logits
         rows, vocab = logits.shape
         device = logits.device
@@ -127,9 +175,7 @@ class Sampler:
         out_counts.index_put_((out_rows, out_ids), torch.ones(len(out_ids), device=device), accumulate=True)
         seen = out_counts > 0
         seen[_flat_index([(i, r.prompt_token_ids) for i, r in enumerate(requests)], device, empty=True)] = True
-        rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        rep, pres, freq = batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty
         # Repetition penalty (prompt and output tokens): shrink positive logits, grow negative ones.
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
@@ -137,29 +183,26 @@ class Sampler:
         logits = logits - freq * out_counts - pres * (out_counts > 0).float()
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], bans: list[tuple[int, list[int]]]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
-        device = logits.device
-        temperatures = [p.temperature if not p.greedy else 1.0 for p in params]
-        if any(t != 1.0 for t in temperatures):
-            logits = logits.div_(torch.tensor(temperatures, device=device)[:, None])
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch, bans: list[tuple[int, list[int]]]) -> torch.Tensor:
+        params = batch.params
+        if any(not p.greedy and p.temperature != 1.0 for p in params):
+            logits = logits.div_(batch.temperature)
         top_k = [p.top_k for p in params]
         top_p = [p.top_p for p in params]
-        min_p = [p.min_p for p in params]
         candidates, mass_scale = None, None  # (rows, K) token ids, when every row samples among its top K
         num_candidates = _candidate_count(top_k, top_p, logits.shape[-1])
         if num_candidates:
             # torch.topk, then everything on (rows, K): sorting the whole vocabulary instead takes
             # ~20x longer (64 x 152k: 1.1 s against 58 ms for k = 50 on this CPU).
             values, ids = logits.topk(num_candidates, dim=-1)
-            mass_scale = _nucleus_coverage(logits, values, top_k, top_p)
+            mass_scale = _nucleus_coverage(logits, values, top_k, batch.top_k, batch.top_p)
             if mass_scale is not None:
                 logits, candidates = values, ids
         if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p, mass_scale)
-        if candidates is not None or any(m > 0.0 for m in min_p):
+            logits = _top_k_top_p(logits, batch.top_k, batch.top_p, mass_scale)
+        if candidates is not None or any(p.min_p > 0.0 for p in params):
             probs = torch.softmax(logits, dim=-1)
-            threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
+            threshold = batch.min_p * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
             if candidates is not None:
                 # Candidates back in vocabulary order: the inverse CDF then walks the kept tokens in the
@@ -177,33 +220,72 @@ class Sampler:
             ban_index = _flat_index(bans, probs.device)
             if ban_index is not None:
                 probs[ban_index] = 0.0
-        # Inverse-CDF sampling: one uniform number per row, from the request's own generator
-        # when it is seeded. (Cheaper on CPU than drawing a noise value for every vocabulary entry.)
-        uniform = torch.rand(len(requests), dtype=torch.float64, device=device, generator=self.generator)
-        for i, r in enumerate(requests):
-            if r.sampling_params.seed is not None:
-                if r.generator is None:
-                    r.generator = torch.Generator(device=device).manual_seed(r.sampling_params.seed)
-                uniform[i] = torch.rand(1, dtype=torch.float64, device=device, generator=r.generator)[0]
+        # Inverse-CDF sampling: one uniform number per row (cheaper on CPU than a noise value for every
+        # vocabulary entry): the engine's generator's, or for a seeded row the hash of its seed and draw.
+        uniform = torch.rand(len(params), dtype=torch.float64, device=logits.device, generator=self.generator)
+        if batch.any_seeded:
+            uniform = torch.where(batch.seeded, seeded_uniform(batch.seed, batch.draw), uniform)
         tokens = sample_from_probs(probs, uniform)
         return tokens if candidates is None else candidates.gather(1, tokens[:, None]).squeeze(1)
 
     # -- logprobs -----------------------------------------------------------------------------
     @staticmethod
-    def _fill_logprobs(rows, raw_logprobs, tokens, params, max_logprobs) -> None:
+    def _rows_with_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[SampledRow]:
+        """Tokens, their logprobs and ranks, and each row's top-N, read back in one copy."""
         chosen = raw_logprobs.gather(1, tokens[:, None])  # (rows, 1)
-        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-        top_lp, top_ids = (raw_logprobs.topk(max_logprobs, dim=-1) if max_logprobs > 0 else (None, None))
-        chosen_l, ranks_l = chosen.squeeze(1).tolist(), ranks.tolist()
-        top_lp_l = top_lp.tolist() if top_lp is not None else None
-        top_ids_l = top_ids.tolist() if top_ids is not None else None
-        for i, (row, p) in enumerate(zip(rows, params)):
-            if p.logprobs is None:
-                continue
-            row.logprob, row.rank = chosen_l[i], ranks_l[i]
-            n = p.logprobs
-            row.top_ids = top_ids_l[i][:n] if n else []
-            row.top_logprobs = top_lp_l[i][:n] if n else []
+        ranks = (raw_logprobs > chosen).sum(dim=-1, keepdim=True) + 1
+        parts = [tokens[:, None].double(), chosen.double(), ranks.double()]
+        n_top = batch.max_logprobs
+        if n_top > 0:
+            top_lp, top_ids = raw_logprobs.topk(n_top, dim=-1)
+            parts += [top_ids.double(), top_lp.double()]  # ids < 2^53: exact in float64
+        host = torch.cat(parts, dim=1).tolist()
+        rows = []
+        for values, p in zip(host, batch.params):
+            row = SampledRow(int(values[0]))
+            if p.logprobs is not None:
+                n = p.logprobs
+                row.logprob, row.rank = values[1], int(values[2])
+                row.top_ids = [int(t) for t in values[3:3 + n]]
+                row.top_logprobs = values[3 + n_top:3 + n_top + n]
+            rows.append(row)
+        return rows
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _seed_bits(seed: int | None) -> int:
+    """A request's seed as a signed 64-bit value (any Python int: its low 64 bits)."""
+    if seed is None:
+        return 0
+    bits = seed & _MASK64
+    return bits - (1 << 64) if bits >= 1 << 63 else bits
+
+
+def _int64(c: int) -> int:
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+# splitmix64's constants (Steele, Lea, Flood 2014), as signed 64-bit values.
+_GOLDEN, _MIX1, _MIX2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical shift of int64 values (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def seeded_uniform(seed: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
+    """A uniform number in [0, 1) (float64, 53 random bits) for each (seed, draw) pair: splitmix64's
+    output for the state seed + (draw + 1) * golden ratio, in int64 tensor ops (multiplications wrap
+    modulo 2^64 on CPU and GPU alike). A counter-based generator: a seeded request's draws need no
+    state kept between steps, and the whole batch's are a handful of element-wise ops."""
+    x = seed + (draw + 1) * _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    x = x ^ _shift_right(x, 31)
+    return _shift_right(x, 11).double() * 2.0 ** -53
 
 
 def _flat_index(row_tokens: list[tuple[int, list[int]]], device: torch.device,
@@ -218,7 +300,7 @@ def _flat_index(row_tokens: list[tuple[int, list[int]]], device: torch.device,
     return flat[0], flat[1]
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  mass_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Mask (to -inf) everything outside each row's top-k and top-p nucleus. Keeps at least one.
 
@@ -226,13 +308,12 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float],
     whole probability mass those candidates hold (1 where top-k already renormalises to them), so
     a top-p without a top-k measures its nucleus against the whole vocabulary."""
     vocab = logits.shape[-1]
-    device = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k], device=device)
-    rank = torch.arange(vocab, device=device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab)  # (rows,)
+    rank = torch.arange(vocab, device=logits.device)[None, :]
     remove = rank >= k[:, None]
     sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
-    p = torch.tensor(top_p, device=device)[:, None]
+    p = top_p  # (rows, 1)
     probs = torch.softmax(sorted_logits, dim=-1)
     if mass_scale is not None:
         probs = probs * mass_scale
@@ -259,27 +340,25 @@ def _candidate_count(top_k: list[int], top_p: list[float], vocab: int) -> int:
 
 
 def _nucleus_coverage(logits: torch.Tensor, best: torch.Tensor, top_k: list[int],
-                      top_p: list[float]) -> torch.Tensor | None:
+                      top_k_rows: torch.Tensor, top_p_rows: torch.Tensor) -> torch.Tensor | None:
     """(rows, 1) share of each row's probability mass held by its candidates `best` (the row's
     largest logits, sorted), 1 for rows whose top-k renormalises to them; None when some row's top-p
-    nucleus reaches past them (then only the whole sorted vocabulary will do)."""
-    nucleus_rows = [i for i, k in enumerate(top_k) if k <= 0]
+    nucleus reaches past them (then only the whole sorted vocabulary will do). top_k: the host's list
+    (which rows have a top-k); top_k_rows (rows,), top_p_rows (rows, 1): the same on the device.
+
+    Deciding between the two paths reads one flag back from the device: the only read besides the
+    step's results, and only in batches with a top-p and no top-k."""
     scale = torch.ones(len(top_k), 1, dtype=logits.dtype, device=logits.device)
-    if not nucleus_rows:
-        return scale
-    if best.shape[-1] == logits.shape[-1]:
-        return scale  # the candidates are the whole vocabulary
-    rows = torch.tensor(nucleus_rows, device=logits.device)
-    row_logits = logits if len(nucleus_rows) == len(top_k) else logits[rows]
-    row_max = best[rows, :1]
+    if all(k > 0 for k in top_k) or best.shape[-1] == logits.shape[-1]:
+        return scale  # top-k renormalises every row, or the candidates are the whole vocabulary
+    row_max = best[:, :1]
     # exp(l - max) summed, inputs clamped at -80 as in _sample (exp is slow on -inf and subnormals).
-    total = (row_logits - row_max).clamp_(min=-80.0).exp_().sum(dim=-1, keepdim=True)
-    held = (best[rows] - row_max).exp_().sum(dim=-1, keepdim=True) / total
-    p = torch.tensor([top_p[i] for i in nucleus_rows], dtype=held.dtype, device=held.device)[:, None]
-    if not bool((held > p).all()):
+    total = (logits - row_max).clamp_(min=-80.0).exp_().sum(dim=-1, keepdim=True)
+    held = (best - row_max).exp_().sum(dim=-1, keepdim=True) / total
+    nucleus = (top_k_rows <= 0)[:, None]
+    if not bool(((held > top_p_rows) | ~nucleus).all()):
         return None
-    scale[rows] = held
-    return scale
+    return torch.where(nucleus, held, scale)
 
 
 def _is_vocab_major(x: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ from pagedllm.model_executor.model_files import load_hf_config, preset_config, w
 
 ALLOWED_FLAGS = {"--max-model-len", "--gpu-memory-utilization", "--dtype", "--max-num-batched-tokens",
                  "--kv-cache-memory", "--num-gpu-blocks-override", "--kv-cache-dtype",
-                 "--quantization", "--cpu-offload-gb"}
+                 "--quantization", "--cpu-offload-gb", "--enforce-eager"}
 # How a fix's flag maps onto EngineArgs (what the CLI would parse it to).
 FLAG_FIELDS = {"--max-model-len": ("max_model_len", int),
                "--gpu-memory-utilization": ("gpu_memory_utilization", float),
@@ -36,7 +36,8 @@ FLAG_FIELDS = {"--max-model-len": ("max_model_len", int),
                "--num-gpu-blocks-override": ("num_gpu_blocks_override", int),
                "--kv-cache-dtype": ("kv_cache_dtype", str),
                "--quantization": ("quantization", str),
-               "--cpu-offload-gb": ("cpu_offload_gb", float)}
+               "--cpu-offload-gb": ("cpu_offload_gb", float),
+               "--enforce-eager": ("enforce_eager", lambda value: True)}  # a switch: no value
 
 LLAMA_3B_PARAMS = 3_212_749_824  # 128256*3072 + 28 * 100_669_440 + 3072 (tied lm_head)
 LLAMA_3B_KV_BF16 = 2 * 28 * 8 * 128 * 2  # 114688 B/token
@@ -91,8 +92,9 @@ def test_seed_scenario_fails_because_of_memory_used_by_others():
     assert plan.weight_bytes == LLAMA_3B_PARAMS * 2 and plan.model.weights_source == "config shapes"
     assert plan.kv_bytes_per_token == LLAMA_3B_KV_BF16 == 112 * KiB
     assert plan.seq_bytes == 224 * MiB
+    assert plan.graph_pool_bytes > 0  # decode CUDA graphs (the seed's vLLM captured them too)
     assert plan.kv_budget_bytes == (plan.budget_bytes - 90 * GiB - plan.weight_bytes - plan.activation_bytes
-                                    - plan.overhead_bytes) < 0
+                                    - plan.overhead_bytes - plan.graph_pool_bytes) < 0
     assert not plan.fits and plan.num_blocks == 0 and plan.kv_cache_bytes == 0
     cause = plan.cause
     assert "other processes" in cause and "90.00 GiB" in cause and "119.70 GiB unified memory" in cause
@@ -249,7 +251,7 @@ def test_float32_doubles_weights_and_kv():
 def test_plan_failing_on_activations_suggests_the_largest_max_num_batched_tokens():
     # Size the device so that exactly 2000 tokens/step of activations fit next to one 2048 sequence.
     probe = preset_plan("llama-3.2-3b", max_model_len=2048, max_num_batched_tokens=2000)
-    total = probe.weight_bytes + probe.overhead_bytes + probe.activation_bytes + probe.seq_bytes
+    total = probe.weight_bytes + probe.overhead_bytes + probe.activation_bytes + probe.seq_bytes + probe.graph_pool_bytes
 
     def make(**changes):
         engine = {"model": "llama-3.2-3b", "max_model_len": 2048, "gpu_memory_utilization": 1.0, **changes}
@@ -461,3 +463,40 @@ def test_dry_run_rejects_bad_device_sizes():
                      device_memory_used="11GiB")
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         dry_run_plan(EngineArgs(model="llama-3.2-3b"), device="cuda", device_memory="10GiB", tensor_parallel_size=0)
+
+
+# -- CUDA graphs ----------------------------------------------------------------------------------
+def test_cuda_graph_pool_is_a_line_of_the_plan_and_enforce_eager_removes_it():
+    """On a CUDA device the decode graphs (1, 2, 4, 8, .., max_num_seqs) are planned from config shapes:
+    the activations of one decode step of the largest size, split-K partials and the null block."""
+    plan = preset_plan("llama-3.1-8b", max_model_len=8192)
+    s = plan.settings
+    assert s.cuda_graph_sizes[:5] == (1, 2, 4, 8, 16) and s.cuda_graph_sizes[-1] == 256
+    assert 50 * MiB < plan.graph_pool_bytes < 200 * MiB
+    line = next(l for l in plan.table().splitlines() if "CUDA graphs" in l)
+    assert "35 decode sizes, up to 256 rows" in line and "--enforce-eager: none" in line
+    assert plan.to_json()["cuda_graph_pool_bytes"] == plan.graph_pool_bytes
+    eager = preset_plan("llama-3.1-8b", max_model_len=8192, enforce_eager=True)
+    assert eager.graph_pool_bytes == 0 and "CUDA graphs" not in eager.table()
+    assert eager.kv_budget_bytes - plan.kv_budget_bytes == plan.graph_pool_bytes
+    fewer = preset_plan("llama-3.1-8b", max_model_len=8192, max_num_seqs=32)
+    assert fewer.graph_pool_bytes < plan.graph_pool_bytes  # the largest size sets the pool
+    assert preset_plan("llama-3.1-8b", max_model_len=8192, cuda_graph_sizes=[1, 2]).settings.cuda_graph_sizes == (1, 2)
+    cpu = dry_run_plan(EngineArgs(model="llama-3.1-8b", max_model_len=8192), device="cpu", device_memory="80GiB")
+    assert cpu.graph_pool_bytes == 0  # no graphs on a CPU
+
+
+def test_enforce_eager_is_a_fix_when_the_graph_pool_tips_the_plan():
+    make = lambda **kw: preset_plan("llama-3.1-8b", max_model_len=8192, device_memory=memory, **kw)  # noqa: E731
+    base = preset_plan("llama-3.1-8b", max_model_len=8192)
+    # A device where one sequence of max_model_len fits only without the graph pool.
+    needed = base.weight_bytes + base.activation_bytes + base.overhead_bytes + base.seq_bytes
+    memory = str(math.ceil((needed + base.graph_pool_bytes // 2) / 0.9))
+    plan = make()
+    assert not plan.fits and "the CUDA graphs of decode steps take" in plan.cause
+    fixes = {f.flag: f for f in plan.fixes()}
+    assert "--enforce-eager" in fixes
+    fix = fixes["--enforce-eager"]
+    assert fix.command == "--enforce-eager" and "frees the CUDA graph pool" in fix.effect
+    assert replan_with_fix(make, fix).fits
+    assert "    --enforce-eager: KV cache" in plan.table()

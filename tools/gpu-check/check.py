@@ -1,14 +1,16 @@
 """GPU check of pagedllm: one part per call, results as JSON lines on stdout and in $OUT.
 
 Parts: env, parity, seed, planacc, throughput, latency, profile, audio, serve; (issue 21, memory truth)
-memprobe, offload_parity, planacc2, seed2; (issue 22, attention backends) parity_triton, attnbench, tput. Run from the project's root (pagedllm importable).
+memprobe, offload_parity, planacc2, seed2; (issue 22, attention backends) parity_triton, attnbench, tput;
+(issue 23, CUDA graphs) graphs. Run from the project's root (pagedllm importable).
 GPUCHECK_SMOKE=1 runs every part on CPU with tiny sizes, to test this script without a GPU.
 
 This is ../shared/gpu-check/check.py with the issue-21 and issue-22 parts added (at the end). To use it: run
 the shared prepare.sh, copy this file over .gpu/check.py, and add pytest's wheels (parity_triton imports the
 test suite's constants): `pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64
 -d .gpu/whl pytest`. GPUCHECK_ATTN=triton,torch runs the latency and throughput parts once per attention
-backend, in one process; GPUCHECK_NO_HF=1 skips latency's transformers runs.
+backend, in one process; GPUCHECK_GRAPHS=on,off once with CUDA graphs and once with --enforce-eager (default:
+on); GPUCHECK_NO_HF=1 skips latency's transformers runs; GPUCHECK_N sets throughput's prompt count.
 """
 from __future__ import annotations
 
@@ -226,6 +228,21 @@ def attention_backends() -> list[str]:
     return os.environ.get("GPUCHECK_ATTN", "auto").split(",")
 
 
+def engine_variants() -> list[tuple[str, bool]]:
+    """(attention backend, enforce_eager) pairs: GPUCHECK_ATTN x GPUCHECK_GRAPHS (on = CUDA graphs)."""
+    modes = os.environ.get("GPUCHECK_GRAPHS", "on").split(",")
+    return [(attn, mode == "off") for attn in attention_backends() for mode in modes]
+
+
+def graphs_info(llm) -> dict:
+    g = llm.llm_engine.runner.graphs
+    if g is None:
+        return {"graphs": "off"}
+    return {"graphs": "on", "graph_sizes": len(g.sizes), "capture_s": g.capture_seconds,
+            "graph_pool_mib": None if g.pool_bytes is None else g.pool_bytes / 2**20,
+            "planned_graph_pool_mib": llm.llm_engine.memory_plan.graph_pool_bytes / 2**20}
+
+
 def part_throughput(pagedllm_only: bool = False) -> None:
     """W on the device: N prompts x 128 in x 128 out, ignore_eos, sampling T=1; pagedllm vs transformers."""
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -239,9 +256,9 @@ def part_throughput(pagedllm_only: bool = False) -> None:
     for model in models:
         cfg = load_hf_config(resolve_model_path(model))
         prompts = random_prompts(n, inp, cfg.vocab_size)
-        for attn in attention_backends():
+        for attn, eager in engine_variants():
             llm = LLM(model, load_format="dummy", device=DEV, dtype="bfloat16", max_model_len=512, max_num_seqs=256,
-                      attention_backend=attn)
+                      attention_backend=attn, enforce_eager=eager)
             sp = SamplingParams(temperature=1.0, max_tokens=outl, ignore_eos=True)
             llm.generate([{"prompt_token_ids": p[::-1]} for p in prompts[:4]], SamplingParams(max_tokens=4),
                          use_tqdm=False)
@@ -251,7 +268,7 @@ def part_throughput(pagedllm_only: bool = False) -> None:
             sync()
             el = time.perf_counter() - t
             emit("throughput", model=model, backend="pagedllm", attention=llm.llm_engine.runner.attn_backend.name,
-                 prompts=n, out_tok_s=n * outl / el, seconds=el)
+                 prompts=n, out_tok_s=n * outl / el, seconds=el, **graphs_info(llm))
             del llm
             if DEV == "cuda":
                 torch.cuda.empty_cache()
@@ -299,9 +316,9 @@ def part_latency() -> None:
         outl = 16 if SMOKE else 256
         cfg = load_hf_config(resolve_model_path(model))
         prompt = random_prompts(1, 128, cfg.vocab_size)[0]
-        for attn in attention_backends():
+        for attn, eager in engine_variants():
             llm = LLM(model, load_format="dummy", device=DEV, dtype="bfloat16", max_model_len=1024,
-                      kv_cache_memory="4GiB", attention_backend=attn)
+                      kv_cache_memory="4GiB", attention_backend=attn, enforce_eager=eager)
             wbytes = llm.memory_plan.weight_bytes
             llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
             res = {}
@@ -315,7 +332,8 @@ def part_latency() -> None:
             ms = (res[outl + 1] - res[1]) / outl * 1000
             floor = wbytes / bw * 1000
             emit("latency", model=model, backend="pagedllm", attention=llm.llm_engine.runner.attn_backend.name,
-                 ms_per_token=ms, floor_ms=floor, ratio=ms / floor, weight_gib=wbytes / 2**30, ttft_ms=res[1] * 1000)
+                 ms_per_token=ms, floor_ms=floor, ratio=ms / floor, weight_gib=wbytes / 2**30, ttft_ms=res[1] * 1000,
+                 **graphs_info(llm))
             del llm
             if DEV == "cuda":
                 torch.cuda.empty_cache()
@@ -709,6 +727,54 @@ def part_attnbench() -> None:
 def part_tput() -> None:
     """The throughput part without the transformers baselines (pagedllm's backends only)."""
     part_throughput(pagedllm_only=True)
+
+
+# -- issue 23: CUDA graphs ------------------------------------------------------------------------------------
+def part_graphs() -> None:
+    """Tokens with CUDA graphs equal tokens without on the device (tests/models/test_cuda_graphs.py's prompts:
+    decode batches of 7 .. 1 rows, every size 1/2/4/8 with padded rows), greedy and seeded sampling, fp32;
+    greedy also against transformers. Then what capture costs for a real shape: time and pool, measured
+    against the plan (Qwen2.5-0.5B and Llama-3.1-8B, dummy bf16, max_num_seqs 256)."""
+    sys.path.insert(0, os.getcwd())
+    from pagedllm import LLM, SamplingParams
+    from tests.helpers import hf_greedy, make_tiny_model
+    from tests.models.test_cuda_graphs import MAX_TOKENS, PROMPTS
+
+    for arch in ("llama", "qwen3"):
+        path = make_tiny_model(f"/tmp/gpucheck-graphs-{arch}", arch)
+        ref = [hf_greedy(path, p, n)[0] for p, n in zip(PROMPTS, MAX_TOKENS)]
+        for sampling in ("greedy", "seeded"):
+            runs = {}
+            for eager in (True, False):
+                try:
+                    llm = LLM(str(path), device=DEV, dtype="float32", max_model_len=64, max_num_seqs=8,
+                              enforce_eager=eager, kv_cache_memory="256MiB",
+                              attention_backend="triton" if SMOKE else "auto")  # (smoke: under the interpreter)
+                    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) if sampling == "greedy"
+                              else SamplingParams(temperature=0.9, top_p=0.95, max_tokens=n, ignore_eos=True, seed=n)
+                              for n in MAX_TOKENS]
+                    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+                    runs[eager] = [o.outputs[0].token_ids for o in outs]
+                    g = llm.llm_engine.runner.graphs
+                    captured = None if g is None else sorted(g.steps)
+                    del llm
+                except Exception as e:
+                    emit("graphs", arch=arch, sampling=sampling, eager=eager, error=f"{type(e).__name__}: {e}"[:1500])
+                    runs[eager] = None
+                    captured = None
+            row = {"arch": arch, "sampling": sampling, "captured_sizes": captured,
+                   "graphs_equal_eager": runs[True] is not None and runs[True] == runs[False]}
+            if sampling == "greedy" and runs[False] is not None:
+                row["graphs_vs_transformers"] = f"{sum(a == b for a, b in zip(runs[False], ref))}/{len(ref)}"
+            emit("graphs", **row)
+    for model in (["qwen2.5-0.5b"] if SMOKE else ["qwen2.5-0.5b", "llama-3.1-8b"]):
+        t = time.perf_counter()
+        llm = LLM(model, load_format="dummy", device=DEV, dtype="bfloat16", max_model_len=2048,
+                  max_num_seqs=8 if SMOKE else 256, attention_backend="triton" if SMOKE else "auto")
+        emit("graphs", model=model, start_s=time.perf_counter() - t, **graphs_info(llm))
+        del llm
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -29,6 +29,9 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     name: str
+    # Whether a decode step's attention can be captured in a CUDA graph: nothing read on the host per
+    # step, inputs in persistent buffers (graph_metadata).
+    supports_graphs = False
 
     @abstractmethod
     def build_metadata(self, starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
@@ -40,6 +43,11 @@ class AttentionBackend(ABC):
                          device: torch.device) -> None:
         """Persistent buffers for steps of up to these sizes (the runner calls this once at start); a
         backend that builds fresh tensors each step ignores it."""
+
+    def graph_metadata(self, num_seqs: int, block_size: int) -> AttentionMetadata:
+        """Metadata over the persistent buffers for a graph of `num_seqs` one-token sequences; build_metadata
+        refills those buffers before each replay. Only for backends that support graphs."""
+        raise NotImplementedError(f"the {self.name} attention backend does not run under CUDA graphs")
 
     @abstractmethod
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -68,13 +76,15 @@ def padded_block_table(block_tables: list[list[int]], dtype: torch.dtype = torch
 
 
 _metadata: AttentionMetadata | None = None
+_forward_count = 0  # forwards entered so far: names the current one
 
 
 @contextlib.contextmanager
 def forward_context(metadata: AttentionMetadata):
     """Make this step's attention metadata visible to every attention layer during one forward."""
-    global _metadata
+    global _metadata, _forward_count
     prev, _metadata = _metadata, metadata
+    _forward_count += 1
     try:
         yield
     finally:
@@ -83,3 +93,9 @@ def forward_context(metadata: AttentionMetadata):
 
 def current_metadata() -> AttentionMetadata | None:
     return _metadata
+
+
+def current_forward_id() -> int:
+    """A number that changes with every forward: what per-forward caches are keyed on (a graph's twin
+    replays the same tensors, so their identity does not tell one forward from the next)."""
+    return _forward_count

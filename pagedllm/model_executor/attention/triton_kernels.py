@@ -27,7 +27,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Keys per inner iteration; queries x grouped heads per tile (rows of the score tile).
 BLOCK_N = 32
 BLOCK_M_DECODE, BLOCK_M_PREFILL = 16, 64
-# Split-K for decode: keys per partition, and when to split (programs per step below this).
+# Split-K for decode: keys per partition (at least; more where max_model_len / MAX_PARTITIONS is more).
 PARTITION_TOKENS = 512
 MAX_PARTITIONS = 64
 
@@ -36,8 +36,8 @@ MAX_PARTITIONS = 64
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
-    scale, k_scale, v_scale, block_size, partition_tokens,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
+    block_table_stride_ptr, scale, k_scale, v_scale, block_size, partition_tokens,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_PARTS: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -75,7 +75,8 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
-    table = block_table_ptr + seq * stride_bt
+    # The table's width is read here, not passed: a CUDA graph replays steps whose tables differ in width.
+    table = block_table_ptr + seq * tl.load(block_table_stride_ptr)
     for n0 in range(kv_begin, kv_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
@@ -181,17 +182,29 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     )
 
 
+def partition_tokens_for(max_len: int) -> int:
+    """Keys per split-K partition for sequences of up to max_len keys: PARTITION_TOKENS, or more so
+    that MAX_PARTITIONS cover max_len (a multiple of BLOCK_N)."""
+    return max(PARTITION_TOKENS, triton.cdiv(triton.cdiv(max_len, MAX_PARTITIONS), BLOCK_N) * BLOCK_N)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int,
                     block_size: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
-                    out: torch.Tensor | None = None, split_below: int = 0) -> torch.Tensor:
+                    out: torch.Tensor | None = None, split_below: int = 0,
+                    block_table_stride: torch.Tensor | None = None, partition_tokens: int = 0) -> torch.Tensor:
     """Attention of every query token of a step over its sequence's paged K/V.
 
     q: (tokens, heads, dim), tokens laid out sequence after sequence (query_start: (seqs + 1,) int32
     offsets); seq_lens: (seqs,) int32 keys per sequence after this step (its new tokens are the last
-    ones, already written); block_table: (seqs, max_blocks) int32. Causal: query i of a sequence with
-    q_len queries and seq_len keys sees keys 0 .. seq_len - q_len + i. A decode-only step with fewer
-    than `split_below` programs (sequences x KV heads) splits its keys into partitions (0: never)."""
+    ones, already written); block_table: (seqs, width) int32, its width also in block_table_stride,
+    a (1,) int32 device tensor (made here when not given). Causal: query i of a sequence with q_len
+    queries and seq_len keys sees keys 0 .. seq_len - q_len + i.
+
+    A decode-only step with fewer than `split_below` programs (sequences x KV heads) splits its keys
+    into partitions of `partition_tokens` keys (at least partition_tokens_for(max_seq_len)), as many as
+    max_seq_len needs; split_below 0: never. Nothing here reads the tensors' values on the host, so a
+    call can be captured in a CUDA graph (with max_seq_len then the longest sequence a replay may see)."""
     tokens, num_heads, head = q.shape
     kv_heads = k_cache.shape[0]
     num_seqs = seq_lens.shape[0]
@@ -200,15 +213,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
+    if block_table_stride is None:
+        block_table_stride = torch.tensor([block_table.stride(0)], dtype=torch.int32, device=q.device)
     group_pad = _pow2(group)
     head_pad = max(16, _pow2(head))
     prefill_m = BLOCK_M_PREFILL if head_pad <= 128 else BLOCK_M_PREFILL // 2  # the accumulator fits in registers
     block_m = max(BLOCK_M_DECODE if max_query_len == 1 else prefill_m, group_pad)
     fp8 = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    partition_tokens = max(partition_tokens, partition_tokens_for(max_seq_len))  # MAX_PARTITIONS cover every key
     num_parts = 1
-    if max_query_len == 1 and num_seqs * kv_heads < split_below and max_seq_len > PARTITION_TOKENS:
-        num_parts = min(MAX_PARTITIONS, _pow2(triton.cdiv(max_seq_len, PARTITION_TOKENS)))
-    partition_tokens = triton.cdiv(triton.cdiv(max_seq_len, num_parts), BLOCK_N) * BLOCK_N
+    if max_query_len == 1 and num_seqs * kv_heads < split_below:
+        num_parts = min(MAX_PARTITIONS, _pow2(triton.cdiv(max_seq_len, partition_tokens)))
     if num_parts > 1:
         part_m = torch.empty(num_seqs * num_heads * num_parts, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -219,9 +234,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         grid = (num_seqs, kv_heads, triton.cdiv(max_query_len, block_m // group_pad))
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_table, query_start, seq_lens, part_m, part_l, part_acc,
-        float(scale), float(k_scale), float(v_scale), block_size, partition_tokens,
+        block_table_stride, float(scale), float(k_scale), float(v_scale), block_size, partition_tokens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD=head, HEAD_PAD=head_pad,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_PARTS=num_parts, FP8=fp8, IEEE=q.dtype == torch.float32,
         DOT_FP32=INTERPRETED and q.dtype != torch.float32, num_warps=4 if head_pad <= 64 else 8,

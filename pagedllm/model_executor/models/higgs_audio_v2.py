@@ -45,6 +45,11 @@ class TokenRouting:
             return cls(text_rows=None, audio_rows=audio_rows)
         return cls(text_rows=torch.nonzero(~audio_mask).flatten(), audio_rows=audio_rows)
 
+    @classmethod
+    def every_row_audio(cls, num_rows: int, device: torch.device) -> TokenRouting:
+        """Every row audio, known without reading a mask (a decode step of frames: what CUDA graphs capture)."""
+        return cls(text_rows=None, audio_rows=torch.arange(num_rows, device=device))
+
     @property
     def all_text(self) -> bool:
         return self.audio_rows is None
@@ -122,10 +127,13 @@ class HiggsAudioV2Model(nn.Module):
         return (input_ids == self.spec.audio_token_id) | (input_ids == self.spec.audio_delay_token_id)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, audio_codes: torch.Tensor | None,
-                audio_mask: torch.Tensor | None) -> torch.Tensor:
-        if audio_mask is None:
-            audio_mask = self.placeholder_mask(input_ids)
-        routing = TokenRouting.from_mask(audio_mask.to(input_ids.device))
+                audio_mask: torch.Tensor | None, all_audio: bool = False) -> torch.Tensor:
+        if all_audio:
+            routing = TokenRouting.every_row_audio(len(input_ids), input_ids.device)
+        else:
+            if audio_mask is None:
+                audio_mask = self.placeholder_mask(input_ids)
+            routing = TokenRouting.from_mask(audio_mask.to(input_ids.device))
         h = self._embed(input_ids, audio_codes, routing)  # (tokens, hidden)
         for layer in self.layers:
             h = layer(positions, h, routing)
@@ -182,14 +190,15 @@ class HiggsAudioV2ForConditionalGeneration(LlamaForCausalLM):
                 )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, audio_codes: torch.Tensor | None = None,
-                audio_mask: torch.Tensor | None = None) -> torch.Tensor:
+                audio_mask: torch.Tensor | None = None, all_audio: bool = False) -> torch.Tensor:
         """Hidden states (tokens, hidden) of one flat step.
 
         audio_mask: (tokens,) bool, True where the position is an audio frame; None derives it from
         the placeholder tokens in input_ids (what the reference does). audio_codes: (audio positions,
         num_codebooks), the frames of the True positions in order; input_ids there are not read.
+        all_audio: every position is an audio frame (no mask read: what a CUDA graph of decode steps runs).
         """
-        return self.model(input_ids, positions, audio_codes, audio_mask)
+        return self.model(input_ids, positions, audio_codes, audio_mask, all_audio)
 
     def placeholder_mask(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.placeholder_mask(input_ids)
