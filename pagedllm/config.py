@@ -146,6 +146,8 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs: every step launched kernel by kernel
     attention_backend: str = "auto"  # --attention-backend: auto, torch, cpu, triton (model_executor/attention)
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, ...
+    # A step's outputs (detokenization, stop strings) made while the next step runs on the device (LLMEngine.step)
+    async_output_proc: bool = False
 
     def __post_init__(self) -> None:
         if self.cuda_graph_sizes is not None:

@@ -35,13 +35,13 @@ def reference(path) -> list[tuple[list[int], list[float]]]:
 def count_computed_tokens(llm: LLM) -> list[int]:
     """Wrap the model runner so every step adds the tokens it computes to the returned counter."""
     runner, total = llm.llm_engine.runner, [0]
-    execute = runner.execute
+    execute = runner.execute_async
 
     def counted(step):
         total[0] += step.num_tokens
         return execute(step)
 
-    runner.execute = counted
+    runner.execute_async = counted
     return total
 
 

@@ -71,9 +71,11 @@ def decode_floor(num_params: int, weight_bytes: int, kv_bytes_per_token: int, ba
             "bound": "memory" if t_mem >= t_compute else "compute"}
 
 
-def measure_decode_steps(llm, batch: int, prompt_len: int, steps: int, seed: int, before_each=None) -> list[float]:
+def measure_decode_steps(llm, batch: int, prompt_len: int, steps: int, seed: int, before_each=None,
+                         profiler=None) -> list[float]:
     """Wall time of each of `steps` decode steps with `batch` running sequences (after their prefill);
-    `before_each()`, if given, runs (untimed) before each timed step.
+    `before_each()`, if given, runs (untimed) before each timed step; a torch `profiler`, if given, records
+    the timed steps only.
 
     The prompts' prefill may take several steps (chunked), and sequences prefilled early decode during
     the later chunks: every request may generate up to max_model_len, and each timed step is checked to
@@ -91,6 +93,8 @@ def measure_decode_steps(llm, batch: int, prompt_len: int, steps: int, seed: int
         engine.step()
     engine.step()  # a first decode step, not timed
     times = []
+    if profiler is not None:
+        profiler.start()
     for _ in range(steps):
         if before_each is not None:
             before_each()
@@ -100,6 +104,8 @@ def measure_decode_steps(llm, batch: int, prompt_len: int, steps: int, seed: int
         if engine.last_step_num_requests != batch:
             raise RuntimeError(f"a timed decode step ran {engine.last_step_num_requests} sequences, not {batch}: "
                                "raise max_model_len (or lower --steps)")
+    if profiler is not None:
+        profiler.stop()
     for request_id in ids:
         engine.abort_request(request_id)
     return times

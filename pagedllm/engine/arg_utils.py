@@ -64,6 +64,10 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # no CUDA graphs (vLLM's flag)
     cuda_graph_sizes: list[int] | None = None  # decode batch sizes captured in CUDA graphs; None: 1, 2, 4, 8, 16, ...
+    # Make a step's outputs while the next runs on the device; None: on CUDA yes, on a CPU no (nothing to overlap:
+    # its steps run on the host). disable_async_output_proc is vLLM's flag for False.
+    async_output_proc: bool | None = None
+    disable_async_output_proc: bool = False
     attention_backend: str = "auto"  # auto, torch, cpu or triton: how attention is computed (chosen at start)
     load_format: str = "auto"
     device: str = "auto"
@@ -125,7 +129,15 @@ class EngineArgs:
                                     max_model_len=max_model_len, preemption_mode=self.preemption_mode)
         return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, device=device,
                             enforce_eager=self.enforce_eager, attention_backend=self._attention_backend(),
-                            cuda_graph_sizes=None if self.cuda_graph_sizes is None else tuple(self.cuda_graph_sizes))
+                            cuda_graph_sizes=None if self.cuda_graph_sizes is None else tuple(self.cuda_graph_sizes),
+                            async_output_proc=self._async_output_proc(device))
+
+    def _async_output_proc(self, device: str) -> bool:
+        if self.disable_async_output_proc:
+            if self.async_output_proc:
+                raise ValueError("async_output_proc=True and disable_async_output_proc=True contradict each other.")
+            return False
+        return device.startswith("cuda") if self.async_output_proc is None else bool(self.async_output_proc)
 
     def _attention_backend(self) -> str:
         from pagedllm.model_executor.attention import ATTENTION_BACKENDS

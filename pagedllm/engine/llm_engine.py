@@ -24,6 +24,7 @@ from pagedllm.model_executor.model_files import generation_eos_ids
 from pagedllm.model_executor.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.utils import phase
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class LLMEngine:
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
         self._ids = itertools.count()
         self.last_step_num_requests = 0
+        self._deferred: ModelRunnerOutput | None = None  # a step whose outputs are made during the next one
 
     # -- set-up -----------------------------------------------------------------------------
     def _plan_memory(self, config: EngineConfig, at_start: DeviceMemory) -> MemoryPlan:
@@ -297,22 +299,52 @@ class LLMEngine:
             self._seq_of.pop(seq.request.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._deferred is not None
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One scheduling step. Returns outputs of groups that finished (or changed, when streaming)."""
-        plan = self.scheduler.schedule()
+        """One scheduling step. Returns outputs of groups that finished (or changed, when streaming).
+
+        With async output processing (config.async_output_proc, on by default on CUDA) a step's outputs
+        (detokenization, stop strings, logprob dicts) are made while the next step runs on the device, and
+        returned by that next step: a request a stop string ends has one more token computed, and dropped."""
+        with phase("schedule"):
+            plan = self.scheduler.schedule()
+            step_input = None if plan.is_empty else self.scheduler.runner_input(plan)
         self.last_step_num_requests = len(plan.scheduled)
-        if plan.is_empty:
-            return []
-        result = self.runner.execute(self.scheduler.runner_input(plan))
-        self.scheduler.update(plan, {rid: row.token_id for rid, row in result.sampled.items()},
-                              {rid: (row.frame, row.audio_finished) for rid, row in result.sampled.items()
-                               if row.frame is not None})
-        touched = self._process_outputs(plan, result)
+        with phase("launch"):
+            pending = None if step_input is None else self.runner.execute_async(step_input)
         outputs = []
-        for group in touched:
+        if self._deferred is not None:  # the host's work on the last step, while the device runs this one
+            with phase("outputs"):
+                outputs, self._deferred = self._emit(self._deferred), None
+        if pending is None:
+            return outputs
+        with phase("wait"):
+            result = self._drop_ended(pending.result())
+        with phase("update"):
+            self.scheduler.update(plan, {rid: row.token_id for rid, row in result.sampled.items()},
+                                  {rid: (row.frame, row.audio_finished) for rid, row in result.sampled.items()
+                                   if row.frame is not None})
+        if self.config.async_output_proc:
+            self._deferred = result
+            return outputs
+        with phase("outputs"):
+            return outputs + self._emit(result)
+
+    def _drop_ended(self, result: ModelRunnerOutput) -> ModelRunnerOutput:
+        """Without the rows of requests that ended (a stop string, an abort) while their step ran."""
+        def live(rid: str) -> bool:
+            entry = self._seq_of.get(rid)
+            return entry is not None and not entry[1].request.is_finished
+
+        return ModelRunnerOutput({rid: row for rid, row in result.sampled.items() if live(rid)},
+                                 {rid: c for rid, c in result.prompt_logprobs.items() if live(rid)})
+
+    def _emit(self, result: ModelRunnerOutput) -> list[RequestOutput]:
+        """The step's outputs: tokens detokenized, stop strings applied, finished groups let go."""
+        outputs = []
+        for group in self._process_outputs(result):
             if group.finished or group.stream:
                 outputs.append(self._make_output(group))
             if group.finished:
@@ -321,12 +353,14 @@ class LLMEngine:
                     self._seq_of.pop(seq.request.request_id, None)
         return outputs
 
-    def _process_outputs(self, plan, result: ModelRunnerOutput) -> list[_Group]:
+    def _process_outputs(self, result: ModelRunnerOutput) -> list[_Group]:
         touched: dict[str, _Group] = {}
         for rid, chunk in result.prompt_logprobs.items():
-            group, _ = self._seq_of[rid]
-            self._add_prompt_logprobs(group, chunk)
+            if rid in self._seq_of:  # (an abort since the step ran drops its rows)
+                self._add_prompt_logprobs(self._seq_of[rid][0], chunk)
         for rid, row in result.sampled.items():
+            if rid not in self._seq_of:
+                continue
             group, seq = self._seq_of[rid]
             req = seq.request
             touched[group.request_id] = group

@@ -37,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured in CUDA graphs at start (a decode step of n sequences replays "
                         "the smallest >= n); default 1 2 4 8 16 24 ... up to --max-num-seqs")
+    g.add_argument("--async-output-proc", action=argparse.BooleanOptionalAction, default=None,
+                   help="make each step's outputs (detokenization, stop strings) while the next step runs on the "
+                        "device; default: on with CUDA, off on a CPU")
+    g.add_argument("--disable-async-output-proc", action="store_true", help="vLLM's spelling of --no-async-output-proc")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "triton"],
                    help="how attention is computed: torch (PyTorch ops, any device), cpu (native CPU kernels), "
                         "triton (CUDA kernels reading the paged cache in place); auto: triton on CUDA, cpu on "
@@ -170,8 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_audio_tokenizer_args(plan)
     plan.set_defaults(func=_cmd_plan)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline, sweep, audio", add_help=False)
-    bench.add_argument("kind", choices=["throughput", "serve", "roofline", "sweep", "audio"])
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline, sweep, audio, host",
+                           add_help=False)
+    bench.add_argument("kind", choices=["throughput", "serve", "roofline", "sweep", "audio", "host"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
     return parser

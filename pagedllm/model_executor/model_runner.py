@@ -32,10 +32,10 @@ from pagedllm.model_executor.cuda_graphs import (
 from pagedllm.model_executor.kv_quant import is_fp8
 from pagedllm.model_executor.loader import load_model
 from pagedllm.model_executor.request_state import RunnerRequest
-from pagedllm.model_executor.sampler import SampledRow, Sampler
+from pagedllm.model_executor.sampler import PendingRows, SampledRow, Sampler
 from pagedllm.model_executor.step_buffers import StepBuffers
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.utils import cdiv
+from pagedllm.utils import cdiv, phase
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,28 @@ class PromptLogprobsChunk:
 class ModelRunnerOutput:
     sampled: dict[str, SampledRow] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+
+
+class PendingOutput:
+    """A launched step's results: result() waits for the sampled rows, gives each request its token and
+    computes the prompt logprobs asked for."""
+
+    def __init__(self, requests: list[RunnerRequest], sampled: PendingRows | None, prompt_spans: list) -> None:
+        self._requests, self._sampled, self._prompt_spans = requests, sampled, prompt_spans
+        self._output: ModelRunnerOutput | None = None
+
+    @torch.inference_mode()
+    def result(self) -> ModelRunnerOutput:
+        if self._output is None:
+            out = ModelRunnerOutput()
+            if self._sampled is not None:
+                for req, row in zip(self._requests, self._sampled.rows()):
+                    out.sampled[req.request_id] = row
+                    req.append_token(row.token_id)
+            for req, first, compute, hidden in self._prompt_spans:
+                out.prompt_logprobs[req.request_id] = compute(req, first, hidden)
+            self._output = out
+        return self._output
 
 
 class ModelRunner:
@@ -247,12 +269,19 @@ class ModelRunner:
         for new in step.new_requests:
             self.requests[new.request_id] = RunnerRequest.from_new(new)
 
-    @torch.inference_mode()
     def execute(self, step: StepInput) -> ModelRunnerOutput:
+        """Run the step and wait for its results."""
+        return self.execute_async(step).result()
+
+    @torch.inference_mode()
+    def execute_async(self, step: StepInput) -> PendingOutput:
+        """Launch the step: the forward and the sampling are queued on the device and the copy of the sampled
+        rows to the host started. The returned PendingOutput's result() waits for them; it must be called
+        before the next step is launched (that step's inputs are this one's tokens)."""
         self.update_states(step)
         self.swap_blocks(step)  # before the forward, which may write blocks swapped out this step
         if not step.scheduled:
-            return ModelRunnerOutput()
+            return PendingOutput([], None, [])
         reqs = [self.requests[s.request_id] for s in step.scheduled]
         starts, lengths, tables, input_ids = [], [], [], []
         for s, req in zip(step.scheduled, reqs):
@@ -261,8 +290,13 @@ class ModelRunner:
             lengths.append(s.num_new_tokens)
             tables.append(s.block_table)
             input_ids.extend(req.all_token_ids[c:c + s.num_new_tokens])
-        hidden = self._forward(step, reqs, starts, lengths, tables, input_ids)  # (tokens, hidden)
+        with phase("forward"):
+            hidden = self._forward(step, reqs, starts, lengths, tables, input_ids)  # (tokens, hidden)
+        with phase("sample"):
+            return self._launch_sampling(step, reqs, starts, lengths, hidden)
 
+    def _launch_sampling(self, step: StepInput, reqs: list[RunnerRequest], starts: list[int], lengths: list[int],
+                         hidden: torch.Tensor) -> PendingOutput:
         # Rows whose logits we need: each sampling request's last token, then prompt-logprob rows.
         sample_rows, sample_reqs, prompt_spans = [], [], []
         offset = 0
@@ -272,22 +306,19 @@ class ModelRunner:
                 sample_reqs.append(req)
             if req.wants_prompt_logprobs and c < req.num_prompt_tokens - 1:
                 end = min(c + n, req.num_prompt_tokens - 1)  # positions that predict a prompt token
-                prompt_spans.append((req, c, offset, end - c))
+                prompt_spans.append((req, c, hidden[offset:offset + end - c]))
             offset += n
-        out = ModelRunnerOutput()
+        sampled = None
         if sample_rows:
             rows = hidden if len(sample_rows) == len(hidden) else hidden[torch.tensor(sample_rows, device=self.device)]
             if self.audio_spec is None and self.sampler.reads_any_layout(sample_reqs):
                 logits = self.model.compute_logits(rows, vocab_major=True)
             else:
                 logits = self.model.compute_logits(rows)
-            sample = self.sampler if self.audio_spec is None else self._sample_audio
-            for req, row in zip(sample_reqs, sample(logits, sample_reqs)):
-                out.sampled[req.request_id] = row
-                req.append_token(row.token_id)
-        for req, first, offset, count in prompt_spans:
-            out.prompt_logprobs[req.request_id] = self._prompt_logprobs(req, first, hidden[offset:offset + count])
-        return out
+            sampled = self.sampler.sample(logits, sample_reqs) if self.audio_spec is None else \
+                PendingRows.ready(self._sample_audio(logits, sample_reqs))
+        return PendingOutput(sample_reqs, sampled, [(req, first, self._prompt_logprobs, h)
+                                                    for req, first, h in prompt_spans])
 
     def _forward(self, step: StepInput, reqs: list[RunnerRequest], starts: list[int], lengths: list[int],
                  tables: list[list[int]], input_ids: list[int]) -> torch.Tensor:

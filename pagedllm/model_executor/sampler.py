@@ -29,6 +29,37 @@ class SampledRow:
     top_logprobs: list[float] | None = None
 
 
+class PendingRows:
+    """A step's sampled rows on their way to the host: the device-to-host copy is started when the
+    sampler returns (asynchronous on CUDA, into page-locked memory), and waited for only in rows(), so
+    the host can do other work (the previous step's outputs) while the GPU finishes this one."""
+
+    def __init__(self, values: torch.Tensor | None, build, rows: list[SampledRow] | None = None) -> None:
+        self._event = None
+        if values is not None and values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.current_stream().record_event()
+            values = host
+        self._values, self._build, self._rows = values, build, rows
+
+    @classmethod
+    def ready(cls, rows: list[SampledRow]) -> PendingRows:
+        """Rows already on the host (an audio model's frames, sampled per request)."""
+        return cls(None, None, rows)
+
+    def rows(self) -> list[SampledRow]:
+        if self._rows is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._rows = self._build(self._values.tolist())
+        return self._rows
+
+
+def _token_rows(tokens: list[int]) -> list[SampledRow]:
+    return [SampledRow(t) for t in tokens]
+
+
 def _has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
@@ -98,12 +129,16 @@ class Sampler:
             if max_num_seqs and device.type == "cuda" else None
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> list[SampledRow]:
+        return self.sample(logits, requests).rows()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> PendingRows:
+        """The batch's draws, launched; their one copy to the host started but not waited for."""
         params = [r.sampling_params for r in requests]
         bans = self._min_tokens_bans(requests)
         wants_logprobs = any(p.logprobs is not None for p in params)
         if all(p.greedy for p in params) and not wants_logprobs and not bans and not any(map(_has_penalty, params)):
             # Nothing changes the logits: the first maximum of the model's own, with no float32 copy.
-            return [SampledRow(t) for t in argmax_rows(logits).tolist()]
+            return PendingRows(argmax_rows(logits), _token_rows)
 
         batch = SamplingBatch.build(requests, logits.device, self.buffers)
         logits = self._float_copy(logits)  # (rows, vocab), ours to change in place
@@ -121,7 +156,7 @@ class Sampler:
         else:
             tokens = self._sample(logits, batch, bans)
         if raw_logprobs is None:
-            return [SampledRow(t) for t in tokens.tolist()]
+            return PendingRows(tokens, _token_rows)
         return self._rows_with_logprobs(raw_logprobs, tokens, batch)
 
     @staticmethod
@@ -230,7 +265,7 @@ class Sampler:
 
     # -- logprobs -----------------------------------------------------------------------------
     @staticmethod
-    def _rows_with_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> list[SampledRow]:
+    def _rows_with_logprobs(raw_logprobs: torch.Tensor, tokens: torch.Tensor, batch: SamplingBatch) -> PendingRows:
         """Tokens, their logprobs and ranks, and each row's top-N, read back in one copy."""
         chosen = raw_logprobs.gather(1, tokens[:, None])  # (rows, 1)
         ranks = (raw_logprobs > chosen).sum(dim=-1, keepdim=True) + 1
@@ -239,17 +274,21 @@ class Sampler:
         if n_top > 0:
             top_lp, top_ids = raw_logprobs.topk(n_top, dim=-1)
             parts += [top_ids.double(), top_lp.double()]  # ids < 2^53: exact in float64
-        host = torch.cat(parts, dim=1).tolist()
-        rows = []
-        for values, p in zip(host, batch.params):
-            row = SampledRow(int(values[0]))
-            if p.logprobs is not None:
-                n = p.logprobs
-                row.logprob, row.rank = values[1], int(values[2])
-                row.top_ids = [int(t) for t in values[3:3 + n]]
-                row.top_logprobs = values[3 + n_top:3 + n_top + n]
-            rows.append(row)
-        return rows
+        params = batch.params
+
+        def build(host: list[list[float]]) -> list[SampledRow]:
+            rows = []
+            for values, p in zip(host, params):
+                row = SampledRow(int(values[0]))
+                if p.logprobs is not None:
+                    n = p.logprobs
+                    row.logprob, row.rank = values[1], int(values[2])
+                    row.top_ids = [int(t) for t in values[3:3 + n]]
+                    row.top_logprobs = values[3 + n_top:3 + n_top + n]
+                rows.append(row)
+            return rows
+
+        return PendingRows(torch.cat(parts, dim=1), build)
 
 
 _MASK64 = (1 << 64) - 1

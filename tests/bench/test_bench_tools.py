@@ -127,6 +127,28 @@ def test_roofline_runs_on_a_tiny_model_and_writes_every_field(tmp_path):
         assert 0 < r["gemm_only_s"] and r["flops"] == rows[0]["flops"] * r["batch"]
 
 
+@pytest.mark.parametrize("overlap", ["--async-output-proc", "--no-async-output-proc"])
+def test_bench_host_splits_a_decode_step_into_the_engines_phases(tmp_path, overlap):
+    """torch.profiler sees every phase the engine labels: the runner's forward and sampling inside its
+    launch, and the phases together no longer than the profiled step."""
+    import json
+
+    from pagedllm.bench.host import INNER_PHASES, TOP_PHASES
+    from pagedllm.bench.host import main as host_main
+    from tests.helpers import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", "llama")
+    out = tmp_path / "host.json"
+    assert host_main(["--model", str(model), "--dtype", "float32", "--device", "cpu", "--batch-sizes", "2",
+                      "--steps", "3", "--prompt-len", "8", overlap, "--output-json", str(out)]) == 0
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["batch"] == 2 and row["step_s"] > 0
+    for name in ("schedule", "launch", "wait", "update", "outputs", *INNER_PHASES):
+        assert row[f"{name}_s"] > 0, name
+    assert row["forward_s"] + row["sample_s"] <= row["launch_s"]
+    assert sum(row[f"{name}_s"] for name in TOP_PHASES) <= row["profiled_step_s"]
+
+
 def test_timed_decode_steps_run_the_whole_batch_after_a_chunked_prefill(tmp_path):
     """Six 8-token prompts at 16 tokens a step: three prefill steps, the first sequences decoding
     during the later ones. Every timed step still runs all six (checked inside), and the requests are

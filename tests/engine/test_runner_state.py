@@ -34,8 +34,8 @@ def test_each_step_is_plain_data_and_new_requests_are_sent_once(tiny_models):
     llm = LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=64, max_num_batched_tokens=8)
     engine = llm.llm_engine
     seen: list[StepInput] = []
-    execute = engine.runner.execute
-    engine.runner.execute = lambda step: seen.append(pickle.loads(pickle.dumps(step))) or execute(step)
+    execute = engine.runner.execute_async
+    engine.runner.execute_async = lambda step: seen.append(pickle.loads(pickle.dumps(step))) or execute(step)
     outs = llm.generate([{"prompt_token_ids": list(range(5, 17))}, {"prompt_token_ids": [3, 4, 5]}],
                         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     for step in seen:  # survives pickling (what a worker process would receive) and holds no engine object

@@ -777,6 +777,30 @@ def part_graphs() -> None:
             torch.cuda.empty_cache()
 
 
+def part_host() -> None:
+    """Where the host's time goes in a decode step (`pagedllm bench host`, torch.profiler phases), with async
+    output processing on and off: Qwen2.5-0.5B and Llama-3.1-8B shapes, dummy bf16, batch 1 and 256."""
+    from pagedllm.bench import host
+
+    models = ["qwen2.5-0.5b"] if SMOKE else os.environ.get("GPUCHECK_MODELS", "qwen2.5-0.5b,llama-3.1-8b").split(",")
+    for model in models:
+        for overlap in ("--async-output-proc", "--no-async-output-proc"):
+            name = f"host-{model}{overlap.replace('--', '-')}.json"
+            args = ["--model", model, "--device", DEV, "--output-json", os.path.join(OUT, name),
+                    "--batch-sizes", *(["1", "4"] if SMOKE else ["1", "256"]), "--steps", "3" if SMOKE else "20",
+                    overlap] + (["--attention-backend", "triton", "--prompt-len", "16"] if SMOKE else [])
+            try:
+                host.main(args)
+                with open(os.path.join(OUT, name)) as f:
+                    for row in json.load(f)["rows"]:
+                        ms = {k.removesuffix("_s") + "_ms": round(v * 1000, 3) for k, v in row.items() if k.endswith("_s")}
+                        emit("host", model=model, overlap=overlap, batch=row["batch"], **ms)
+            except Exception as e:
+                emit("host", model=model, overlap=overlap, error=f"{type(e).__name__}: {e}"[:1500])
+            if DEV == "cuda":
+                torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     part = sys.argv[1]
     t0 = time.perf_counter()
