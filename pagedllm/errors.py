@@ -15,3 +15,11 @@ class InvalidPromptError(ValueError):
 
 class UnsupportedSamplingParamsError(ValueError):
     """Sampling settings the model cannot honour (e.g. logprobs or penalties for audio codes)."""
+
+
+class InvalidParameterError(ValueError):
+    """A request parameter with a value that is not allowed; `param` names it (the API's error `param`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param

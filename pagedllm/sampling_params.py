@@ -4,6 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from pagedllm.errors import InvalidParameterError
+
 _GREEDY_EPS = 1e-5
 
 
@@ -56,7 +58,7 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}.")
+            return InvalidParameterError(name, f"{name} must be {allowed}, got {getattr(self, name)!r}.")
 
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             if not math.isfinite(getattr(self, name)):
@@ -84,8 +86,8 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+            raise InvalidParameterError(
+                "min_tokens", f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"and max_tokens={self.max_tokens}."
             )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
@@ -96,11 +98,11 @@ class SamplingParams:
             raise bad("prompt_logprobs", "None or an integer >= 0")
         for s in self.stop:
             if not isinstance(s, str) or s == "":
-                raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
+                raise InvalidParameterError("stop", f"stop must contain only non-empty strings, got {self.stop!r}.")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
-                raise ValueError(
-                    f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids!r}."
+                raise InvalidParameterError(
+                    "stop_token_ids", f"stop_token_ids must contain only non-negative integers, got {self.stop_token_ids!r}."
                 )
 
     def clone(self, **changes) -> "SamplingParams":

@@ -35,6 +35,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped after an internal error; the server answers 503."""
 
 
+class RequestAbortedError(RuntimeError):
+    """The server ended the request before it finished (a shutdown whose drain time ran out)."""
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, step_listener=None, abort_listener=None) -> None:
         self.engine = engine
@@ -44,12 +48,22 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}
         self._stopped = threading.Event()
         self.errored: BaseException | None = None
+        # Requests submitted and not yet scheduled: adds still in the command queue plus the scheduler's
+        # waiting queue. Each counter is written by one thread only (back-pressure reads them).
+        self._adds_submitted = 0  # event loop
+        self._adds_handled = 0  # engine thread
+        self._scheduler_waiting = 0  # engine thread
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.errored is None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests accepted and not yet scheduled (read from any thread; exact once the engine is idle)."""
+        return self._adds_submitted - self._adds_handled + self._scheduler_waiting
 
     # -- called from the event loop ----------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -64,6 +78,7 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop())
         future: Future = Future()
+        self._adds_submitted += 1
         self._commands.put(("add", request_id, prompt, params, strict_length, priority, stream, future))
         await asyncio.wrap_future(future)  # raises the validation error, if any
         return self._outputs(request_id, stream)
@@ -86,6 +101,10 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def abort_all(self, message: str) -> None:
+        """End every request now: each stream gets a RequestAbortedError(message), each request is aborted."""
+        self._commands.put(("abort_all", message))
+
     def call(self, fn):
         """Run fn(engine) on the engine thread; returns a future of its result (for consistent reads)."""
         future: Future = Future()
@@ -102,6 +121,7 @@ class AsyncLLMEngine:
         kind = cmd[0]
         if kind == "add":
             _, request_id, prompt, params, strict_length, priority, stream, future = cmd
+            self._adds_handled += 1
             try:
                 self.engine.add_request(request_id, prompt, params, stream=True, strict_length=strict_length,
                                         priority=priority)
@@ -115,6 +135,10 @@ class AsyncLLMEngine:
             self._streams.pop(cmd[1], None)
             if self.abort_listener is not None:
                 self.abort_listener(cmd[1])
+        elif kind == "abort_all":
+            for request_id, stream in list(self._streams.items()):
+                stream.put(RequestAbortedError(cmd[1]))
+                self._handle(("abort", request_id))
         elif kind == "call":
             _, fn, future = cmd
             try:
@@ -132,6 +156,7 @@ class AsyncLLMEngine:
                     self._handle(self._commands.get_nowait())
             except queue.Empty:
                 pass
+            self._scheduler_waiting = len(self.engine.scheduler.waiting)
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -145,6 +170,7 @@ class AsyncLLMEngine:
                     stream.put(EngineDeadError(f"engine step failed: {e}"))
                 self._streams.clear()
                 return
+            self._scheduler_waiting = len(self.engine.scheduler.waiting)
             now = time.monotonic()
             for out in outputs:
                 stream = self._streams.get(out.request_id)

@@ -13,7 +13,7 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, SwapStats
 from pagedllm.engine.request import FINISH_REASONS, Request, RequestStatus
 from pagedllm.engine.scheduler import PreemptionStats, Scheduler
-from pagedllm.errors import InvalidPromptError, KVCacheMemoryError
+from pagedllm.errors import InvalidParameterError, InvalidPromptError, KVCacheMemoryError
 from pagedllm.memory.device import DeviceMemory, device_memory, host_memory
 from pagedllm.memory.facts import device_facts, measured_model_facts, settings_from, with_measured_offload_cost
 from pagedllm.memory.model_size import estimate_activation_bytes
@@ -250,10 +250,11 @@ class LLMEngine:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > vocab:
-                raise ValueError(f"{name} must be at most the vocabulary size ({vocab}), got {value}.")
+                raise InvalidParameterError(name, f"{name} must be at most the vocabulary size ({vocab}), got {value}.")
         bad_stop = [t for t in params.stop_token_ids if t >= self.config.model.vocab_size]
         if bad_stop:
-            raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, {self.config.model.vocab_size})")
+            raise InvalidParameterError("stop_token_ids", f"stop_token_ids {bad_stop} are outside the vocabulary "
+                                                          f"[0, {self.config.model.vocab_size})")
         group = _Group(request_id, text, ids, [], [None] if params.prompt_logprobs is not None else None, stream)
         for j in range(params.n):
             child_params = params if params.n == 1 else params.clone(

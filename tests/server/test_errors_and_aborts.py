@@ -153,11 +153,15 @@ def test_v1_needs_the_api_key(server_url, headers):
     with httpx.Client(base_url=server_url, headers=headers, timeout=30) as c:
         for method, path, body in [("GET", "/v1/models", None), ("GET", "/v1/memory", None),
                                    ("POST", "/v1/completions", {"prompt": "hi", "max_tokens": 1}),
-                                   ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1})]:
+                                   ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+                                   ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}),
+                                   ("GET", "/tokenizer_info", None), ("GET", "/no/such/route", None)]:
             r = c.request(method, path, json=body)
             assert_openai_error(r, 401, None, "API key")
-        # Liveness and metrics stay open for probes and scrapers.
+            assert r.headers["www-authenticate"] == "Bearer"
+        # Liveness, metrics, the version and the API's description stay open for probes, scrapers and clients.
         assert c.get("/health").status_code == 200
+        assert c.get("/version").status_code == 200 and c.get("/openapi.json").status_code == 200
         r = c.get("/metrics")
         assert r.status_code == 200 and "pagedllm:num_requests_running" in r.text
     with httpx.Client(base_url=server_url, headers={"authorization": f"bearer {API_KEY}"}) as c:

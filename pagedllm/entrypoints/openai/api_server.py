@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import argparse
-import hmac
+import asyncio
 import logging
 import os
 import sys
@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagedllm
-from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
 from pagedllm.entrypoints.openai import serving_audio
 from pagedllm.entrypoints.openai.audio_args import (
     AudioServerConfig,
@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.audio_args import (
     audio_server_config,
 )
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
+from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S, ServerGuard, default_max_body_bytes
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,7 +38,6 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.serving import (
     ServingContext,
-    check_text,
     create_chat_completion,
     create_completion,
 )
@@ -48,10 +48,14 @@ logger = logging.getLogger("pagedllm.server")
 
 def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics: EngineMetrics | None = None,
-              audio: AudioServerConfig | None = None) -> FastAPI:
+              audio: AudioServerConfig | None = None, max_body_bytes: int | None = None,
+              max_waiting_requests: int | None = None) -> FastAPI:
+    """The API; app.state.guard is the ASGI app to serve (the body limit and draining in front of it)."""
     llm_engine = engine.engine
-    ctx = ServingContext(engine, served_names, llm_engine.config.model.max_model_len, chat_template)
+    max_model_len = llm_engine.config.model.max_model_len
+    ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests)
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key)
     app.state.audio = None
     if audio is not None and audio.enabled:
         from pagedllm.entrypoints.openai.audio_setup import create_audio_serving
@@ -61,23 +65,15 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
             app.state.audio.on_cache_lookup = metrics.on_mm_cache_lookup
     created = int(time.time())
 
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
-            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.")
-
     def serving() -> None:
         if not engine.is_running:
             raise APIError(503, "The engine is not serving (it stopped after an internal error).")
 
-    v1 = [Depends(check_api_key), Depends(serving)]
+    v1 = [Depends(serving)]  # (the API key is checked by the guard, before the body is read)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
-        return error_response(e.status, e.message, e.param)
+        return error_response(e.status, e.message, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_, e: RequestValidationError):
@@ -106,14 +102,21 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
     async def _dead(_, e: EngineDeadError):
         return error_response(503, str(e))
 
+    @app.exception_handler(RequestAbortedError)
+    async def _aborted(_, e: RequestAbortedError):
+        return error_response(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
+
     @app.exception_handler(ValueError)
     async def _value_error(_, e: ValueError):
-        return error_response(400, str(e), param_of(str(e)))
+        return error_response(400, str(e), param_of(e))
 
     @app.get("/health")
     async def health():
         if not engine.is_running:
             return error_response(503, "engine not running")
+        if guard.draining:
+            return error_response(503, "draining: the server is shutting down",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
         return Response(status_code=200)
 
     @app.get("/version")
@@ -161,12 +164,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
     async def voices():
         return serving_audio.list_voices(_audio())
 
-    def _need_tokenizer(e):
-        if e.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer")
-        return e.tokenizer
-
-    @app.post("/tokenize", dependencies=[Depends(serving)])
+    @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
         ctx.model_name(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -174,36 +172,31 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         if body.messages is not None:
             msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str) else ""}
                     for m in body.messages]
-            _, ids = await engine.call(lambda e: e.apply_chat_template(msgs, chat_template,
-                                                                       body.add_generation_prompt))
+            _, ids = await ctx.render_chat(msgs, chat_template, body.add_generation_prompt)
         else:
-            check_text(body.prompt, "prompt")
-            ids = await engine.call(lambda e: _need_tokenizer(e).encode(
-                body.prompt, add_special_tokens=body.add_special_tokens))
+            ids = await ctx.tokenize(body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize", dependencies=[Depends(serving)])
+    @app.post("/detokenize", dependencies=v1)
     async def detokenize(body: DetokenizeRequest):
         ctx.model_name(body.model)
         vocab = llm_engine.config.model.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
-        text = await engine.call(lambda e: _need_tokenizer(e).decode(body.tokens))
-        return {"prompt": text}
+        tokenizer = ctx._tokenizer()
+        return {"prompt": await ctx.run(tokenizer.decode, body.tokens)}
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", dependencies=v1)
     async def tokenizer_info():
-        def info(e):
-            tok = e.tokenizer
-            if tok is None:
-                return {"tokenizer": None}
-            return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token,
-                    "eos_token_id": tok.eos_token_id, "bos_token": tok.bos_token,
-                    "bos_token_id": tok.bos_token_id, "pad_token": tok.pad_token, "pad_token_id": tok.pad_token_id,
-                    "chat_template": chat_template or getattr(tok, "chat_template", None),
-                    "model_max_length": ctx.max_model_len, "vocab_size": e.config.model.vocab_size}
-        return await engine.call(info)
+        tok = llm_engine.tokenizer  # (attributes only: read here, nothing runs on the engine thread)
+        if tok is None:
+            return {"tokenizer": None}
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token,
+                "eos_token_id": tok.eos_token_id, "bos_token": tok.bos_token,
+                "bos_token_id": tok.bos_token_id, "pad_token": tok.pad_token, "pad_token_id": tok.pad_token_id,
+                "chat_template": chat_template or getattr(tok, "chat_template", None),
+                "model_max_length": ctx.max_model_len, "vocab_size": llm_engine.config.model.vocab_size}
 
     @app.get("/v1/memory", dependencies=v1)
     async def memory():
@@ -247,6 +240,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None, help="also read from PAGEDLLM_API_KEY")
     g.add_argument("--chat-template", default=None, help="a jinja template or a file holding one")
     g.add_argument("--disable-log-requests", action="store_true")
+    g.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 before they are read (default: 64 bytes per token of "
+                        "max_model_len, at least 8 MiB)")
+    g.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests waiting to be scheduled beyond which new ones get 503 + Retry-After "
+                        "(default: no limit, as vLLM)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests may take to finish after SIGTERM/SIGINT before they are "
+                        "ended with an error (a second signal ends them at once)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_audio_server_args(parser)
@@ -307,17 +309,70 @@ def run_server(ns: argparse.Namespace) -> int:
     names = ns.served_model_name or [ns.model or "pagedllm-demo"]
     metrics = EngineMetrics(names[0])
     engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step, abort_listener=metrics.forget)
-    app = build_app(engine, names, api_key, chat_template, metrics, audio)
+    app = build_app(engine, names, api_key, chat_template, metrics, audio, ns.max_request_body_bytes,
+                    ns.max_waiting_requests)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
                 llm_engine.config.model.max_model_len)
+    server = DrainingServer(uvicorn.Config(app.state.guard, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                                           access_log=not ns.disable_log_requests),
+                            engine, app.state.guard, ns.shutdown_timeout)
     try:
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                    access_log=not ns.disable_log_requests)
+        server.run()
     finally:
         engine.shutdown()
         if app.state.audio is not None:
             app.state.audio.shutdown()
     return 0
+
+
+class DrainingServer:
+    """uvicorn's server with pagedllm's shutdown: on the first SIGTERM/SIGINT new requests get 503 and running
+    ones have `timeout` seconds to finish; then (or at a second signal) each one left ends with an error
+    event, and the server exits with status 0 (the signal is not raised again)."""
+
+    def __init__(self, config, engine: AsyncLLMEngine, guard: ServerGuard, timeout: float) -> None:
+        import uvicorn
+
+        outer = self
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame) -> None:  # a signal handler: hand the work to the event loop
+                outer.loop.call_soon_threadsafe(outer._on_signal, sig)
+
+        self.server = _Server(config)
+        self.engine, self.guard, self.timeout = engine, guard, timeout
+        self._drain: asyncio.Task | None = None
+        self._now: asyncio.Event | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def run(self) -> None:
+        async def serve() -> None:
+            self.loop = asyncio.get_running_loop()
+            await self.server.serve()
+
+        asyncio.run(serve())
+
+    def _on_signal(self, sig: int) -> None:
+        if self._drain is None:
+            logger.info("signal %d: draining (new requests get 503); running requests have %.0f s to finish",
+                        sig, self.timeout)
+            self.guard.draining = True
+            self._now = asyncio.Event()
+            self._drain = self.loop.create_task(self._shutdown())
+        else:
+            logger.info("signal %d again: ending the running requests now", sig)
+            self._now.set()
+
+    async def _shutdown(self) -> None:
+        waited = asyncio.ensure_future(self.guard.wait_idle(self.timeout))
+        now = asyncio.ensure_future(self._now.wait())
+        await asyncio.wait([waited, now], return_when=asyncio.FIRST_COMPLETED)
+        now.cancel()
+        if self.guard.in_flight:
+            logger.warning("ending %d request(s) still running", self.guard.in_flight)
+            self.engine.abort_all("the server is shutting down: this request was ended before it finished")
+            await self.guard.wait_idle(10)  # their error events are written
+        self.server.should_exit = True
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,16 +6,23 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
 from pagedllm.entrypoints.openai.errors import APIError, error_body, param_of
+from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.errors import InvalidPromptError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+
+
+# A prompt longer than this many characters per token of max_model_len is measured on a prefix first: text
+# that can never fit is refused without tokenizing all of it.
+_CHARS_PER_TOKEN_CHECK = 8
 
 
 @dataclass
@@ -24,6 +31,11 @@ class ServingContext:
     served_names: list[str]
     max_model_len: int
     chat_template: str | None = None
+    max_waiting_requests: int | None = None  # --max-waiting-requests; None: no limit
+    # Tokenization and chat templates run here, off the engine thread and the event loop; one worker, so
+    # the tokenizer is never used by two of them at once.
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer"))
 
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested == "":
@@ -32,6 +44,49 @@ class ServingContext:
             raise APIError(404, f"The model `{requested}` does not exist. Served: {', '.join(self.served_names)}.",
                            "model")
         return requested
+
+    def check_capacity(self) -> None:
+        """Back-pressure: 503 with Retry-After once --max-waiting-requests requests wait to be scheduled."""
+        limit = self.max_waiting_requests
+        if limit is not None and self.engine.num_waiting >= limit:
+            raise APIError(503, f"The server is at capacity: {limit} requests are waiting to be scheduled "
+                                f"(--max-waiting-requests). Retry later.", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    def _tokenizer(self):
+        tokenizer = self.engine.engine.tokenizer
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer (its folder has no tokenizer files), so prompts must "
+                                "be token ids", "prompt")
+        return tokenizer
+
+    async def run(self, fn, *args):
+        """fn(*args) on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    async def tokenize(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt, off the engine thread. Text over _CHARS_PER_TOKEN_CHECK characters per token
+        of max_model_len is measured on such a prefix first, and refused if that alone does not fit."""
+        check_text(text, param)
+        tokenizer = self._tokenizer()
+        limit = self.max_model_len * _CHARS_PER_TOKEN_CHECK
+        if len(text) > limit:
+            head = await self.run(lambda: len(tokenizer.encode(text[:limit], add_special_tokens=add_special_tokens)))
+            if head >= self.max_model_len:
+                raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the "
+                                    f"{param} is longer: its first {limit} of {len(text)} characters alone are "
+                                    f"{head} tokens.", param)
+        return await self.run(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def render_chat(self, messages: list[dict], template: str | None,
+                          add_generation_prompt: bool) -> tuple[str, list[int]]:
+        """The conversation through the chat template -> (text, token ids), off the engine thread."""
+        engine = self.engine.engine
+        try:
+            return await self.run(engine.apply_chat_template, messages, template, add_generation_prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        except Exception as e:  # a template that fails to render on these messages
+            raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
 
 
 # vLLM's default --max-logprobs. More than the vocabulary fails the engine step (torch.topk), and
@@ -46,7 +101,7 @@ def _sampling_params(ctx: ServingContext, req, max_tokens: int | None, logprobs:
     try:
         params = req.to_sampling_params(max_tokens, logprobs, default_max_tokens)
     except ValueError as e:
-        raise APIError(400, str(e), param_of(str(e))) from None
+        raise APIError(400, str(e), param_of(e)) from None
     # Values SamplingParams accepts but the server cannot serve: an n of 2**70 would stall the
     # engine thread creating samples; too many logprobs would fail the engine step.
     max_n = ctx.engine.engine.config.scheduler.max_num_seqs
@@ -145,7 +200,10 @@ def _with_cache_salt(prompt: str | dict, cache_salt: str | None) -> str | dict:
 
 async def _start(ctx: ServingContext, prefix: str, prompts: list, params: SamplingParams,
                  cache_salt: str | None = None, priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
-    """Submit every prompt; the first invalid one aborts those already submitted and raises 400."""
+    """Submit every prompt (text tokenized off the engine thread first); the first invalid one aborts those
+    already submitted and raises 400."""
+    ctx.check_capacity()
+    prompts = [{"prompt": p, "prompt_token_ids": await ctx.tokenize(p)} if isinstance(p, str) else p for p in prompts]
     base = f"{prefix}-{uuid.uuid4().hex}"
     ids, streams = [], []
     try:
@@ -157,9 +215,17 @@ async def _start(ctx: ServingContext, prefix: str, prompts: list, params: Sampli
     except ValueError as e:  # InvalidPromptError and other bad input
         for rid in ids:
             ctx.engine.abort(rid)
-        param = "prompt" if isinstance(e, InvalidPromptError) else param_of(str(e))
+        param = "prompt" if isinstance(e, InvalidPromptError) else param_of(e)
         raise APIError(400, str(e), param) from None
     return streams
+
+
+def stream_error(e: Exception) -> dict:
+    """The error event of a stream that cannot go on: 503 when the server ended it (shutdown) or the engine
+    stopped, else 500."""
+    if isinstance(e, (RequestAbortedError, EngineDeadError)):
+        return error_body(503, str(e))
+    return error_body(500, f"generation failed: {e}")
 
 
 def check_text(text: str, param: str) -> str:
@@ -271,7 +337,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                 yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": _usage(list(finals.values()))})
         except Exception as e:  # an error after the stream started: an error chunk, then [DONE]
-            yield _sse(error_body(500, f"generation failed: {e}"))
+            yield _sse(stream_error(e))
         yield _sse("[DONE]")
 
     return events()
@@ -314,13 +380,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     params = _sampling_params(ctx, req, max_tokens, logprobs, None, "top_logprobs")
     messages = _messages(req)
     template = req.chat_template or ctx.chat_template
-    try:
-        text, ids = await ctx.engine.call(
-            lambda e: e.apply_chat_template(messages, template, req.add_generation_prompt))
-    except ValueError as e:
-        raise APIError(400, str(e), "messages") from None
-    except Exception as e:  # a template that fails to render on these messages
-        raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
+    ctx.check_capacity()
+    text, ids = await ctx.render_chat(messages, template, req.add_generation_prompt)
     streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params, req.cache_salt,
                            req.priority)
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
@@ -363,7 +424,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             if req.stream_options and req.stream_options.include_usage and final is not None:
                 yield chunk([], _usage([final]))
         except Exception as e:
-            yield _sse(error_body(500, f"generation failed: {e}"))
+            yield _sse(stream_error(e))
         yield _sse("[DONE]")
 
     return events()

@@ -1,0 +1,142 @@
+"""What stands in front of the API routes: the API key, the request-body size limit, draining at shutdown, and
+the count of requests in flight (what a graceful shutdown waits for).
+
+A plain ASGI middleware, so that a body over the limit is refused before it is read (from its
+Content-Length, or as soon as the bytes received pass the limit) and a draining server answers 503 before
+any route runs."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+
+from pagedllm.entrypoints.openai.errors import error_body
+
+# Routes that are served while draining and need no key: probes, metrics, the API's own description.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
+                        "/docs/oauth2-redirect"})
+RETRY_AFTER_S = 5
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """A limit that comfortably fits max_model_len tokens of text (a token is rarely over 16 bytes of
+    JSON-escaped text) and never under 8 MiB (chat turns, reference audio for speech)."""
+    return max(8 << 20, 64 * max_model_len)
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class ServerGuard:
+    """ASGI middleware. Every route but OPEN_PATHS needs the key (when one is set), checked before the body is
+    read; `draining` and `wait_idle` are the shutdown sequence's."""
+
+    def __init__(self, app, max_body_bytes: int, api_key: str | None = None) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.api_key = api_key
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.api_key is not None and not self._authorized(scope):
+            await _send_error(send, 401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+                              {"www-authenticate": "Bearer"})
+            return
+        if self.draining:
+            await _send_error(send, 503, "The server is shutting down: it accepts no new requests.",
+                              {"retry-after": str(RETRY_AFTER_S)})
+            return
+        length = _content_length(scope)
+        if length is not None and length > self.max_body_bytes:
+            await _send_error(send, 413, self._too_large(f"{length} bytes"))
+            return
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            body = await self._read_body(receive)
+            if body is None:
+                await _send_error(send, 413, self._too_large(f"more than {self.max_body_bytes} bytes"))
+                return
+            await self.app(scope, _replay(body, receive), send)
+        except _ClientGone:
+            pass
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def _read_body(self, receive) -> bytes | None:
+        """The whole body, or None as soon as it passes the limit (the rest is never read)."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending: nothing to answer
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _authorized(self, scope) -> bool:
+        header = _header(scope, b"authorization") or b""
+        token = header[7:] if header[:7].lower() == b"bearer " else b""
+        return hmac.compare_digest(token, self.api_key.encode())
+
+    def _too_large(self, size: str) -> str:
+        return (f"The request body ({size}) is over this server's limit of {self.max_body_bytes} bytes "
+                f"(--max-request-body-bytes).")
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        """Until no request is in flight (True) or `timeout` seconds pass (False)."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+
+def _replay(body: bytes, receive):
+    """A receive that gives the body read already, then what the client sends next (its disconnect)."""
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def _header(scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value
+    return None
+
+
+def _content_length(scope) -> int | None:
+    value = _header(scope, b"content-length")
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None
+
+
+async def _send_error(send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
