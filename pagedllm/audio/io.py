@@ -34,6 +34,7 @@ _WRITERS = {
     "opus": _Codec("OGG", "OPUS", "audio/ogg"),
 }
 PCM_CONTENT_TYPE = "audio/pcm"
+AUDIO_CONTENT_TYPES = (PCM_CONTENT_TYPE, *(c.content_type for c in _WRITERS.values()))  # what speech may answer
 # Input formats by name (OpenAI's input_audio.format; file suffixes of voice presets).
 _READERS = {"wav": "WAV", "flac": "FLAC", "mp3": "MP3", "ogg": "OGG", "opus": "OGG"}
 # Opus encodes only these rates; other rates are resampled to the next one up before writing.

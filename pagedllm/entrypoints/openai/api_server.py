@@ -22,13 +22,32 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagedllm
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
 from pagedllm.entrypoints.openai import serving_audio
+from pagedllm.audio.io import AUDIO_CONTENT_TYPES
 from pagedllm.entrypoints.openai.audio_args import (
     AudioServerConfig,
     add_audio_server_args,
     audio_server_config,
 )
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
-from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S, ServerGuard, default_max_body_bytes
+from pagedllm.entrypoints.openai.guard import OPEN_PATHS, RETRY_AFTER_S, ServerGuard, default_max_body_bytes
+from pagedllm.entrypoints.openai.openapi import (
+    GENERATION,
+    READ_ONLY,
+    TOKENIZER,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    MemoryResponse,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+    VoiceList,
+    error_responses,
+    json_ok,
+    stream_ok,
+    truthful_openapi,
+)
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +75,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
     ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests)
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key)
+    app.openapi = lambda: truthful_openapi(app, OPEN_PATHS, api_key is not None)
     app.state.audio = None
     if audio is not None and audio.enabled:
         from pagedllm.entrypoints.openai.audio_setup import create_audio_serving
@@ -110,7 +130,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
     async def _value_error(_, e: ValueError):
         return error_response(400, str(e), param_of(e))
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "Serving (empty body)"}, **error_responses(503)})
     async def health():
         if not engine.is_running:
             return error_response(503, "engine not running")
@@ -119,16 +139,17 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", response_model=VersionResponse)
     async def version():
         return {"version": pagedllm.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"description": "Prometheus text format",
+                                          "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
     async def metrics_endpoint():
         body = generate_latest(metrics.registry) if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=v1)
+    @app.get("/v1/models", dependencies=v1, responses={200: json_ok(ModelList, "The served model names"), **READ_ONLY})
     async def models():
         cards = [{"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
                   "root": str(llm_engine.config.model.path), "parent": None,
@@ -140,11 +161,14 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
-    @app.post("/v1/completions", dependencies=v1)
+    @app.post("/v1/completions", dependencies=v1,
+              responses={200: stream_ok(CompletionResponse, "The completion"), **GENERATION})
     async def completions(body: CompletionRequest, raw: Request):
         return await respond(await create_completion(ctx, body, raw))
 
-    @app.post("/v1/chat/completions", dependencies=v1)
+    @app.post("/v1/chat/completions", dependencies=v1,
+              responses={200: stream_ok(ChatCompletionResponse, "The chat completion", ChatCompletionChunk),
+                         **GENERATION})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         if serving_audio.wants_audio(body):
             return JSONResponse(await serving_audio.create_audio_chat_completion(_audio(), body, raw))
@@ -156,15 +180,18 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                                 f"input and output need a speech model served with --audio-tokenizer-type")
         return app.state.audio
 
-    @app.post("/v1/audio/speech", dependencies=v1)
+    @app.post("/v1/audio/speech", dependencies=v1, responses={200: {"description": "The audio file (or stream)",
+              "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in AUDIO_CONTENT_TYPES}},
+              **GENERATION})
     async def speech(body: SpeechRequest, raw: Request):
         return await serving_audio.create_speech(_audio(), body, raw)
 
-    @app.get("/v1/audio/voices", dependencies=v1)
+    @app.get("/v1/audio/voices", dependencies=v1,
+             responses={200: json_ok(VoiceList, "The voice presets"), **error_responses(400, 401, 503)})
     async def voices():
         return serving_audio.list_voices(_audio())
 
-    @app.post("/tokenize", dependencies=v1)
+    @app.post("/tokenize", dependencies=v1, responses={200: json_ok(TokenizeResponse, "Token ids"), **TOKENIZER})
     async def tokenize(body: TokenizeRequest):
         ctx.model_name(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -177,7 +204,8 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
             ids = await ctx.tokenize(body.prompt, "prompt", body.add_special_tokens)
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize", dependencies=v1)
+    @app.post("/detokenize", dependencies=v1,
+              responses={200: json_ok(DetokenizeResponse, "The text"), **TOKENIZER})
     async def detokenize(body: DetokenizeRequest):
         ctx.model_name(body.model)
         vocab = llm_engine.config.model.vocab_size
@@ -187,7 +215,8 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         tokenizer = ctx._tokenizer()
         return {"prompt": await ctx.run(tokenizer.decode, body.tokens)}
 
-    @app.get("/tokenizer_info", dependencies=v1)
+    @app.get("/tokenizer_info", dependencies=v1, responses={200: {"description": "The tokenizer's settings"},
+                                                             **READ_ONLY})
     async def tokenizer_info():
         tok = llm_engine.tokenizer  # (attributes only: read here, nothing runs on the engine thread)
         if tok is None:
@@ -198,7 +227,8 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                 "chat_template": chat_template or getattr(tok, "chat_template", None),
                 "model_max_length": ctx.max_model_len, "vocab_size": llm_engine.config.model.vocab_size}
 
-    @app.get("/v1/memory", dependencies=v1)
+    @app.get("/v1/memory", dependencies=v1, responses={200: json_ok(MemoryResponse, "Memory plan and KV cache use"),
+                                                        **READ_ONLY})
     async def memory():
         def snapshot(e):
             pool = e.kv_cache.pool

@@ -1,7 +1,8 @@
 """OpenAI API request bodies (with vLLM's extra sampling fields) as pydantic models.
 
 Unknown fields are rejected (400) rather than silently ignored; fields OpenAI defines that we do
-not implement are accepted only at their neutral value.
+not implement are accepted only at their neutral value. Types are strict where OpenAI's are: a token id is
+an integer (not 1.0 or true), a flag a boolean (not "false"), a number a number (not "1").
 """
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedllm.sampling_params import SamplingParams
 
 
+STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str | None = None
     n: int = 1
@@ -93,20 +97,21 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
     type: Literal["text", "json_object", "json_schema"]
 
 
 class ChatAudioOutput(BaseModel):
     """OpenAI's `audio` of a chat request with modalities ["text", "audio"]: the voice and file format."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     voice: str | None = None  # a --voice-presets-dir voice; None: the model's own choice
     format: str = "wav"
 
@@ -145,7 +150,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class SpeechRequest(BaseModel):
     """OpenAI's POST /v1/audio/speech, plus streaming and sampling fields (vLLM style)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str | None = None
     input: str = Field(min_length=1)
     voice: str | None = None  # a --voice-presets-dir voice; None: the model's own choice
@@ -161,7 +166,7 @@ class SpeechRequest(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -170,6 +175,6 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     model: str | None = None
     tokens: list[int]

@@ -1,0 +1,227 @@
+"""The server's OpenAPI document, made to tell the truth: what each route answers, with which status codes
+and bodies. The response models here describe the dicts the routes build (serving.py, serving_audio.py);
+they document, they do not convert (the routes return their dicts as they are)."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Every error, as OpenAI sends it."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str | None]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    """POST /v1/completions; with "stream": true each server-sent event's data is one of these (usage only
+    on the last, when stream_options.include_usage), then "[DONE]"."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
+class ChatAudio(BaseModel):
+    id: str
+    data: str  # base64 of the audio file
+    expires_at: int
+    transcript: str
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    audio: ChatAudio | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion (then "[DONE]")."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class Voice(BaseModel):
+    id: str
+    object: Literal["voice"]
+    name: str
+    format: str
+    transcript: str | None
+
+
+class VoiceList(BaseModel):
+    object: Literal["list"]
+    data: list[Voice]
+
+
+class MemoryResponse(BaseModel):
+    """The memory plan (`pagedllm plan --json`'s fields) and what the KV cache holds now."""
+
+    model_config = {"extra": "allow"}
+    kv_cache_usage: dict[str, Any]
+    requests: list[dict[str, Any]]
+    num_waiting: int
+    num_swapped: int
+
+
+def json_ok(model: type[BaseModel], description: str) -> dict:
+    return {"model": model, "description": description}
+
+
+def stream_ok(model: type[BaseModel], description: str, chunk: type[BaseModel] | None = None) -> dict:
+    """A 200 that is JSON, or with "stream": true a stream of server-sent events, each `chunk` (default:
+    `model`) as JSON, then [DONE]."""
+    chunk = chunk or model
+    return {"model": model, "description": description,
+            "content": {"text/event-stream": {"schema": {"type": "string", "description":
+                        f"server-sent events: data: <{chunk.__name__} as JSON>, ..., then data: [DONE]"}}}}
+
+
+def error_responses(*codes: int) -> dict:
+    why = {400: "Invalid request (the message says what was wrong and what is allowed)",
+           401: "Missing or wrong API key (only when the server has one)",
+           404: "No such model (or route)", 413: "Request body over --max-request-body-bytes",
+           503: "Draining for shutdown, at --max-waiting-requests, or the engine stopped"}
+    return {code: {"model": ErrorResponse, "description": why[code]} for code in codes}
+
+
+GENERATION = error_responses(400, 401, 404, 413, 503)  # body routes that name a model
+TOKENIZER = error_responses(400, 401, 404, 413, 503)
+READ_ONLY = error_responses(401, 503)
+
+
+def truthful_openapi(app: FastAPI, open_paths: frozenset[str], api_key: bool) -> dict:
+    """FastAPI's document without what the server never sends (422: validation errors are 400s here), with
+    each error status's body, and (with an API key) the bearer scheme on every route but `open_paths`."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                      description="OpenAI-compatible API of pagedllm (vLLM's extra fields included).")
+    for route, path in doc.get("paths", {}).items():
+        for operation in path.values():
+            operation.get("responses", {}).pop("422", None)
+            if route in open_paths:
+                operation["security"] = []
+            elif api_key:
+                operation["security"] = [{"bearer": []}]
+            else:
+                operation.get("responses", {}).pop("401", None)
+    schemas = doc.get("components", {}).get("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    if api_key:
+        doc.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    app.openapi_schema = doc
+    return doc
