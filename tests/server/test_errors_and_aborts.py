@@ -64,7 +64,7 @@ CASES = [
     ("temperature", "/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature",
      ["temperature", "-1"]),
     ("top_p", "/v1/completions", {"prompt": "hi", "top_p": 2}, 400, "top_p", ["top_p", "got 2"]),
-    ("n-zero", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", ["n must be", "got 0"]),
+    ("n-zero", "/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", ["n: ", "greater than or equal to 1", "got 0"]),
     ("chat-temperature", "/v1/chat/completions", {"messages": CHAT, "temperature": -1}, 400, "temperature",
      ["temperature", "-1"]),
     ("empty-prompt-list", "/v1/completions", {"prompt": []}, 400, "prompt", ["empty"]),
@@ -96,6 +96,12 @@ CASES = [
     ("tokenize-unknown-model", "/tokenize", {"model": "nope", "prompt": "hi"}, 404, "model", ["nope"]),
     ("detokenize-outside-vocab", "/detokenize", {"tokens": [1, 10**6]}, 400, "tokens", ["1000000"]),
     ("unknown-route", "/v1/nothing", {"prompt": "hi"}, 404, None, []),
+    # Strict where OpenAI is: token ids are integers, flags booleans; the param comes from where the error is.
+    ("detokenize-not-ints", "/detokenize", {"tokens": [False, True, 1.0]}, 400, "tokens.0", ["integer"]),
+    ("stream-as-string", "/v1/completions", {"prompt": "hi", "stream": "false"}, 400, "stream", ["boolean"]),
+    ("prompt-float-ids", "/v1/completions", {"prompt": [1.0, 2.0]}, 400, "prompt", ["prompt"]),
+    ("min-over-max", "/v1/completions", {"prompt": "hi", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens",
+     ["min_tokens must be <= max_tokens"]),
 ]
 
 

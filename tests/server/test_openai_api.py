@@ -3,9 +3,11 @@ client has no method): every answer is checked against the offline engine on the
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import string
 
+import httpx
 import openai
 import pytest
 
@@ -325,3 +327,23 @@ def test_metrics_text_is_prometheus_exposition(server_url, http):
     ttft = [v for n, lab, v in metric_samples(server_url)
             if n == "pagedllm:time_to_first_token_seconds_sum" and lab["model_name"] == SERVED_NAMES[0]]
     assert len(ttft) == 1 and math.isfinite(ttft[0]) and ttft[0] > 0
+
+
+def test_the_openapi_document_lists_the_statuses_and_bodies_the_server_sends(server_url):
+    doc = httpx.get(f"{server_url}/openapi.json", timeout=30).json()
+    assert "422" not in json.dumps(doc) and "HTTPValidationError" not in doc["components"]["schemas"]
+    completions = doc["paths"]["/v1/completions"]["post"]
+    responses = completions["responses"]
+    assert set(responses) == {"200", "400", "401", "404", "413", "503"}
+    for status in ("400", "401", "404", "413", "503"):
+        assert responses[status]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    ok = responses["200"]["content"]
+    assert ok["application/json"]["schema"] == {"$ref": "#/components/schemas/CompletionResponse"}
+    assert "CompletionResponse" in json.dumps(ok["text/event-stream"]["schema"])
+    assert completions["security"] == [{"bearer": []}]  # this server has a key
+    assert doc["paths"]["/health"]["get"]["security"] == []
+    for path in ("/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/v1/memory"):
+        assert "200" in next(iter(doc["paths"][path].values()))["responses"]
+    assert "/v1/audio/speech" not in doc["paths"]  # a text model: no audio routes documented
+    tokens = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert tokens["type"] == "integer" and tokens["minimum"] == 0 and tokens["maximum"] > 0

@@ -75,7 +75,8 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
     ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests)
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key)
-    app.openapi = lambda: truthful_openapi(app, OPEN_PATHS, api_key is not None)
+    app.openapi = lambda: truthful_openapi(app, OPEN_PATHS, api_key is not None, app.state.audio is not None,
+                                           llm_engine.config.model.vocab_size)
     app.state.audio = None
     if audio is not None and audio.enabled:
         from pagedllm.entrypoints.openai.audio_setup import create_audio_serving
@@ -83,6 +84,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         app.state.audio = create_audio_serving(engine, ctx, audio)
         if metrics is not None:
             app.state.audio.on_cache_lookup = metrics.on_mm_cache_lookup
+    with_audio = app.state.audio is not None  # (the audio routes are documented only where they serve)
     created = int(time.time())
 
     def serving() -> None:
@@ -103,7 +105,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                 where = err.get("loc", ("body", "?"))[-1]
                 detail = (err.get("ctx") or {}).get("error", "malformed JSON")
                 return error_response(400, f"Invalid JSON in the request body at character {where}: {detail}")
-            loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+            loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
             param = param or (".".join(loc) or None)
             got = err.get("input")
             shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
@@ -130,7 +132,8 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
     async def _value_error(_, e: ValueError):
         return error_response(400, str(e), param_of(e))
 
-    @app.get("/health", responses={200: {"description": "Serving (empty body)"}, **error_responses(503)})
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "Serving (empty body)", "content": {}}, **error_responses(503)})
     async def health():
         if not engine.is_running:
             return error_response(503, "engine not running")
@@ -180,13 +183,13 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                                 f"input and output need a speech model served with --audio-tokenizer-type")
         return app.state.audio
 
-    @app.post("/v1/audio/speech", dependencies=v1, responses={200: {"description": "The audio file (or stream)",
+    @app.post("/v1/audio/speech", dependencies=v1, include_in_schema=with_audio, responses={200: {"description": "The audio file (or stream)",
               "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in AUDIO_CONTENT_TYPES}},
               **GENERATION})
     async def speech(body: SpeechRequest, raw: Request):
         return await serving_audio.create_speech(_audio(), body, raw)
 
-    @app.get("/v1/audio/voices", dependencies=v1,
+    @app.get("/v1/audio/voices", dependencies=v1, include_in_schema=with_audio,
              responses={200: json_ok(VoiceList, "The voice presets"), **error_responses(400, 401, 503)})
     async def voices():
         return serving_audio.list_voices(_audio())
@@ -249,6 +252,12 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         return await engine.call(snapshot)
 
     return app
+
+
+def _is_union_tag(part) -> bool:
+    """A validation error's location names the member of a union it was tried against ("str", "list[int]");
+    the API's `param` is the field, not that."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part)
 
 
 # -- command line ---------------------------------------------------------------------------------

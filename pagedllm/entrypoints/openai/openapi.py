@@ -181,12 +181,21 @@ def json_ok(model: type[BaseModel], description: str) -> dict:
 
 
 def stream_ok(model: type[BaseModel], description: str, chunk: type[BaseModel] | None = None) -> dict:
-    """A 200 that is JSON, or with "stream": true a stream of server-sent events, each `chunk` (default:
-    `model`) as JSON, then [DONE]."""
+    """A 200 that is JSON, or with "stream": true server-sent events: each one's data a `chunk` (default:
+    `model`) or an error as JSON, the last one "[DONE]"."""
     chunk = chunk or model
-    return {"model": model, "description": description,
-            "content": {"text/event-stream": {"schema": {"type": "string", "description":
-                        f"server-sent events: data: <{chunk.__name__} as JSON>, ..., then data: [DONE]"}}}}
+    _EVENT_MODELS.update({chunk.__name__: chunk, ErrorResponse.__name__: ErrorResponse})
+    data = {"anyOf": [{"const": "[DONE]"},
+                      {"type": "string", "contentMediaType": "application/json",
+                       "contentSchema": {"anyOf": [{"$ref": f"#/components/schemas/{chunk.__name__}"},
+                                                   {"$ref": "#/components/schemas/ErrorResponse"}]}}]}
+    event = {"type": "object", "required": ["data"], "properties": {"data": data, "event": {"type": "string"}},
+             "description": f"one server-sent event: data is a {chunk.__name__} (or an ErrorResponse) as JSON, "
+                            f"the last one [DONE]"}
+    return {"model": model, "description": description, "content": {"text/event-stream": {"schema": event}}}
+
+
+_EVENT_MODELS: dict[str, type[BaseModel]] = {}  # models the event streams' documents refer to
 
 
 def error_responses(*codes: int) -> dict:
@@ -202,9 +211,10 @@ TOKENIZER = error_responses(400, 401, 404, 413, 503)
 READ_ONLY = error_responses(401, 503)
 
 
-def truthful_openapi(app: FastAPI, open_paths: frozenset[str], api_key: bool) -> dict:
+def truthful_openapi(app: FastAPI, open_paths: frozenset[str], api_key: bool, audio: bool, vocab_size: int) -> dict:
     """FastAPI's document without what the server never sends (422: validation errors are 400s here), with
-    each error status's body, and (with an API key) the bearer scheme on every route but `open_paths`."""
+    each error status's body, (with an API key) the bearer scheme on every route but `open_paths`, and the
+    limits of this server's model: token ids below its vocabulary size, and without audio no audio fields."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
@@ -221,6 +231,19 @@ def truthful_openapi(app: FastAPI, open_paths: frozenset[str], api_key: bool) ->
     schemas = doc.get("components", {}).get("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         schemas.pop(unused, None)
+    for name, model in _EVENT_MODELS.items():
+        if name not in schemas:
+            definition = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(definition.pop("$defs", {}))
+            schemas[name] = definition
+    tokens = schemas.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {})
+    if "items" in tokens:
+        tokens["items"]["maximum"] = vocab_size - 1
+    chat = schemas.get("ChatCompletionRequest", {}).get("properties", {})
+    if not audio and chat:  # a text model: no audio out, so only "text" and no audio settings
+        chat["modalities"] = {"anyOf": [{"type": "array", "items": {"const": "text"}}, {"type": "null"}],
+                              "title": "Modalities", "description": "this server's model answers with text only"}
+        chat["audio"] = {"type": "null", "title": "Audio", "description": "this server's model has no audio"}
     if api_key:
         doc.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     app.openapi_schema = doc

@@ -6,7 +6,7 @@ an integer (not 1.0 or true), a flag a boolean (not "false"), a number a number 
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -14,6 +14,10 @@ from pagedllm.sampling_params import SamplingParams
 
 
 STRICT = ConfigDict(extra="forbid", strict=True)
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# vLLM's default --max-logprobs. More than the vocabulary fails the engine step (torch.topk), and
+# with it every running request: such a request is refused before it reaches the engine.
+MAX_LOGPROBS = 20
 
 
 class StreamOptions(BaseModel):
@@ -26,27 +30,27 @@ class _SamplingRequest(BaseModel):
     model_config = STRICT
 
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
     # vLLM's extras
-    top_k: int | None = Field(default=None, le=2**63 - 1)  # more overflows int64 in the sampler
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=2**63 - 1)  # more overflows int64 in the sampler
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, float] | None = None
     # vLLM's: requests with different salts never share prefix-cache blocks (no timing side channel).
     cache_salt: str | None = Field(default=None, min_length=1)
@@ -81,10 +85,10 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
@@ -118,10 +122,10 @@ class ChatAudioOutput(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -166,10 +170,13 @@ class SpeechRequest(BaseModel):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = STRICT
+    """Exactly one of `prompt` and `messages` (neither may be null)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: str = None  # type: ignore[assignment]  (absent: None; null is refused)
+    messages: list[ChatMessage] = Field(default=None, min_length=1)  # type: ignore[assignment]
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
@@ -177,4 +184,4 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = STRICT
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]  # (and below the vocabulary size: the document says it)

@@ -14,7 +14,7 @@ from fastapi import Request
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
 from pagedllm.entrypoints.openai.errors import APIError, error_body, param_of
 from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 from pagedllm.errors import InvalidPromptError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -89,9 +89,6 @@ class ServingContext:
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
 
 
-# vLLM's default --max-logprobs. More than the vocabulary fails the engine step (torch.topk), and
-# with it every running request: such a request is refused here, before it reaches the engine.
-MAX_LOGPROBS = 20
 
 
 def _sampling_params(ctx: ServingContext, req, max_tokens: int | None, logprobs: int | None, default_max_tokens,
