@@ -35,6 +35,15 @@ def test_generate_reports_bad_input_without_a_traceback(tiny_models):
     assert res.returncode == 2 and "/no/such/model" in res.stderr
 
 
+@pytest.mark.parametrize("model", ["../no-such-dir/qwen2.5-0.5b.json", "./nowhere", "~/x/y/z"])
+def test_a_model_path_that_does_not_exist_says_so_and_names_the_presets(model):
+    """Not a hub-name error ("Repo id must be in the form ..."), whether or not downloads are allowed."""
+    res = run_cli("generate", "--model", model, "--load-format", "dummy", "x", env={"HF_HUB_OFFLINE": "0"})
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"no such file or folder: {model}" in res.stderr and "Repo id" not in res.stderr
+    assert "qwen2.5-0.5b" in res.stderr and "llama-3.1-8b" in res.stderr
+
+
 def test_bench_throughput_writes_json(tiny_models, tmp_path):
     out = tmp_path / "bench.json"
     res = run_cli("bench", "throughput", "--model", str(tiny_models["llama"]), "--dtype", "float32",

@@ -26,6 +26,8 @@ def resolve_model_path(model: str, revision: str | None = None, allow_download: 
         return path
     if path.is_file() and path.suffix == ".json":
         return path
+    if _looks_like_a_path(model):
+        raise FileNotFoundError(f"no such file or folder: {model}. {_WHAT_A_MODEL_IS}")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -39,8 +41,7 @@ def resolve_model_path(model: str, revision: str | None = None, allow_download: 
         if not allow_download:
             raise FileNotFoundError(
                 f"model {model!r} is neither a local folder nor in the local Hugging Face cache "
-                f"({cache_dir}), and downloading is off "
-                f"(HF_HUB_OFFLINE is set). Pass a folder with config.json and *.safetensors."
+                f"({cache_dir}), and downloading is off (HF_HUB_OFFLINE is set). {_WHAT_A_MODEL_IS}"
             ) from local_err
         logger.info("downloading %s from the Hugging Face hub", model)
         return Path(snapshot_download(
@@ -50,6 +51,23 @@ def resolve_model_path(model: str, revision: str | None = None, allow_download: 
 
 
 PRESETS_DIR = Path(__file__).resolve().parent.parent / "model_configs"
+
+
+def _looks_like_a_path(model: str) -> bool:
+    """A local path, not a hub id ("org/name"): it starts with . / ~, ends with .json, or has two slashes."""
+    return model.startswith((".", "/", "~")) or model.endswith(".json") or model.count("/") > 1
+
+
+class _WhatAModelIs:
+    """The sentence every 'model not found' ends with (the presets listed when it is printed)."""
+
+    def __str__(self) -> str:
+        return ("A model is a folder with config.json and *.safetensors (and tokenizer files), a config.json to "
+                "run with --load-format dummy, a hub name already in the local Hugging Face cache, or one of the "
+                f"built-in shapes (random weights with --load-format dummy): {', '.join(preset_names())}.")
+
+
+_WHAT_A_MODEL_IS = _WhatAModelIs()
 
 
 def preset_names() -> list[str]:

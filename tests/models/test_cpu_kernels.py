@@ -461,3 +461,17 @@ def test_no_native_ops_without_the_kernels(tiny_models, monkeypatch):
     model = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64,
                 attention_backend="torch").llm_engine.runner.model
     assert all(m.forward.__func__ is RMSNorm.forward for m in model.modules() if type(m) is RMSNorm)
+
+
+def test_the_kernel_cache_name_is_keyed_by_the_cpu_and_the_torch_build(monkeypatch):
+    """Two venvs (two torch installs) keep two builds instead of rebuilding one at every switch."""
+    import torch
+
+    here = cpu_kernels_module._cpu_signature()
+    assert cpu_kernels_module._cpu_signature() == here  # stable
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/lib/site-packages/torch/__init__.py")
+    other_venv = cpu_kernels_module._cpu_signature()
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.0+other")
+    other_version = cpu_kernels_module._cpu_signature()
+    assert len({here, other_venv, other_version}) == 3

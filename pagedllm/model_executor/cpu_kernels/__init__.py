@@ -41,7 +41,9 @@ _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fa
 def _cpu_signature() -> str:
     """A short hash of what the compiled code depends on beyond its source: the CPU's instruction set
     (-march=native) and the machine, so a cache directory shared between hosts never hands one host
-    another's binary."""
+    another's binary; and the torch build it links (version and install path), so two venvs each keep
+    their own build instead of rebuilding it at every switch (the build records the torch it was made
+    for, and PyTorch's builder rebuilds when that changes)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -50,7 +52,10 @@ def _cpu_signature() -> str:
                 break
     except OSError:
         pass
-    return hashlib.sha256(f"{platform.machine()} {flags}".encode()).hexdigest()[:12]
+    import torch
+
+    build = f"{torch.__version__} {Path(torch.__file__).resolve().parent}"
+    return hashlib.sha256(f"{platform.machine()} {flags} {build}".encode()).hexdigest()[:12]
 
 
 def _ensure_ninja_on_path() -> None:

@@ -1,0 +1,63 @@
+"""The README's runnable code blocks (fenced as `bash runnable` / `python runnable`), run as written against a
+temporary `pagedllm serve` of the demo model: only its address differs (a free port instead of 8000)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.server.conftest import _free_port, wait_until
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BLOCK = re.compile(r"^```(bash|python) runnable\n(.*?)^```", re.S | re.M)
+
+
+def runnable_blocks() -> list[tuple[str, str]]:
+    return BLOCK.findall(README.read_text())
+
+
+def test_the_readme_has_runnable_blocks_and_names_what_the_repository_holds():
+    text = README.read_text()
+    assert len(runnable_blocks()) >= 3
+    assert "../shared" not in text  # a clone has no such folder
+    assert "pagedllm-demo" in text and "qwen2.5-0.5b" in text and "llama-3.1-8b" in text
+
+
+@pytest.fixture(scope="module")
+def demo_server(tmp_path_factory):
+    import httpx
+
+    port = _free_port()
+    log = tmp_path_factory.mktemp("readme") / "serve.log"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedllm", "serve", "--port", str(port)], stdout=out,
+                                stderr=subprocess.STDOUT, env=env)
+
+    def up():
+        if proc.poll() is not None:
+            pytest.fail(f"pagedllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, "pagedllm serve to answer", attempts=600, interval_s=0.1)
+    yield f"127.0.0.1:{port}", env
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("index", range(len(runnable_blocks())))
+def test_a_runnable_readme_block_runs_as_written(demo_server, index):
+    address, env = demo_server
+    language, code = runnable_blocks()[index]
+    code = code.replace("127.0.0.1:8000", address)
+    cmd = ["bash", "-euo", "pipefail", "-c", code] if language == "bash" else [sys.executable, "-c", code]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, f"{code}\nstdout:\n{run.stdout[-2000:]}\nstderr:\n{run.stderr[-3000:]}"
+    assert '"error"' not in run.stdout, run.stdout[-2000:]
