@@ -1,7 +1,7 @@
 """Prometheus metrics with vLLM's names under the `pagedllm:` prefix (dashboards port by renaming)."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -15,6 +15,7 @@ class EngineMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc., as vLLM's /metrics has
         labels = ["model_name"]
         r, p = self.registry, "pagedllm:"
 

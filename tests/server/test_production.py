@@ -2,6 +2,7 @@
 own server (flags differ, and shutdown ends it)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -241,3 +242,22 @@ def test_streams_still_running_when_the_drain_ends_get_an_error_event(start, how
         assert s.tokens < 16000 and len(errors) == 1 and s.events[-1] == "[DONE]", s.events[-3:]
         assert errors[0]["error"]["code"] == 503 and "shutting down" in errors[0]["error"]["message"]
     assert "Traceback" not in log.read_text()
+
+
+# -- the soak benchmark ---------------------------------------------------------------------------
+
+def test_bench_soak_reports_each_window_and_an_idle_engine_at_the_end(server_url, tmp_path):
+    from pagedllm.bench.soak import main as soak_main
+
+    out = tmp_path / "soak.json"
+    rc = soak_main(["--base-url", server_url, "--api-key", API_KEY, "--minutes", "2", "--window-seconds", "3",
+                    "--concurrency", "4", "--oversize-fraction", "0.1", "--malformed-fraction", "0.2",
+                    "--abort-fraction", "0.3", "--max-tokens", "8", "--output-json", str(out)])
+    report = json.loads(out.read_text())
+    assert rc == 0, report["total"]
+    assert [r["minute"] for r in report["minutes"]] == [1, 2]
+    assert report["total"]["server_errors"] == 0 and report["total"]["kv_when_idle"]["blocks_used"] == 0
+    kinds = report["total"]["by_kind"]
+    assert kinds.get("oversize", 0) > 0 and kinds.get("malformed", 0) > 0 and kinds.get("abort", 0) > 0
+    assert all(r["errors"] == {} and r["served"] == r["requests"] > 0 for r in report["minutes"])
+    assert all(r["rss_bytes"] and r["p99_s"] >= r["p50_s"] > 0 for r in report["minutes"])
