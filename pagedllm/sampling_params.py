@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass, replace
 
 from pagedllm.errors import InvalidParameterError
+from pagedllm.structured_output import GuidedDecodingParams
 
 _GREEDY_EPS = 1e-5
 
@@ -36,6 +37,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> added to its logit before sampling, clamped to [-100, 100] (OpenAI's range)
+    logit_bias: dict[int, float] | None = None
+    # structured output: a JSON schema, any JSON object, a regex, a choice or a grammar (xgrammar)
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -48,6 +53,8 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
+        if self.logit_bias:
+            self.logit_bias = {t: min(max(float(b), -100.0), 100.0) for t, b in self.logit_bias.items()}
         if self.temperature < _GREEDY_EPS:
             # Greedy: the knobs that only shape a distribution have nothing to shape.
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
@@ -99,6 +106,11 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or s == "":
                 raise InvalidParameterError("stop", f"stop must contain only non-empty strings, got {self.stop!r}.")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or not isinstance(b, (int, float)) \
+                    or not math.isfinite(b):
+                raise InvalidParameterError("logit_bias", f"logit_bias must map token ids (integers >= 0) to finite "
+                                                          f"numbers, got {t!r}: {b!r}.")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise InvalidParameterError(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import _free_port, wait_until
+from tests.server.conftest import start_command
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(r"^```(bash|python) runnable\n(.*?)^```", re.S | re.M)
@@ -29,25 +29,11 @@ def test_the_readme_has_runnable_blocks_and_names_what_the_repository_holds():
 
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory):
-    import httpx
-
-    port = _free_port()
-    log = tmp_path_factory.mktemp("readme") / "serve.log"
+    """`pagedllm serve` as the README's first line runs it (the demo model), on a free port."""
+    proc, url = start_command(lambda port: [sys.executable, "-m", "pagedllm", "serve", "--port", str(port)],
+                              tmp_path_factory.mktemp("readme"), deadline_polls=600)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedllm", "serve", "--port", str(port)], stdout=out,
-                                stderr=subprocess.STDOUT, env=env)
-
-    def up():
-        if proc.poll() is not None:
-            pytest.fail(f"pagedllm serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, "pagedllm serve to answer", attempts=600, interval_s=0.1)
-    yield f"127.0.0.1:{port}", env
+    yield url.removeprefix("http://"), env
     proc.terminate()
     assert proc.wait(timeout=60) == 0
 

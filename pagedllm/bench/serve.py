@@ -155,6 +155,24 @@ def format_metrics(m: dict) -> str:
     return "\n".join(lines)
 
 
+def prefix_cache_counts(base_url: str) -> tuple[float, float] | None:
+    """(queries, hits) in tokens from the server's /metrics (pagedllm's or vLLM's names); None without them."""
+    import httpx
+
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    totals = {"queries": 0.0, "hits": 0.0}
+    found = False
+    for line in text.splitlines():
+        for kind in totals:
+            if line.split("{")[0].split(" ")[0].endswith(f"prefix_cache_{kind}_total"):
+                totals[kind] += float(line.rsplit(" ", 1)[1])
+                found = True
+    return (totals["queries"], totals["hits"]) if found else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedllm bench serve")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -170,9 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s, Poisson (default: all at once)")
     p.add_argument("--vocab-size", type=int, default=None, help="default: from the server's /tokenizer_info")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None,
+                   help="prompts' seed (default: a fresh one per run, printed; a repeated seed repeats the prompts, "
+                        "which the server's prefix cache then serves)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(2**31)
     for name in ("num_prompts", "random_input_len", "random_output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -183,17 +205,28 @@ def main(argv: list[str] | None = None) -> int:
 
     import httpx
 
+    base = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     vocab = args.vocab_size
     if vocab is None:
-        info = httpx.get(args.base_url.rstrip("/") + "/tokenizer_info", timeout=30).json()
+        info = httpx.get(base + "/tokenizer_info", headers=headers, timeout=30).json()
         vocab = info.get("vocab_size") or 1000
+    cache_before = prefix_cache_counts(base)
     prompts = random_prompts(args.num_prompts, args.random_input_len, args.random_output_len,
                              args.random_range_ratio, vocab, args.seed)
     records, duration = asyncio.run(run_load(args.base_url, args.endpoint, args.model, prompts,
                                              args.max_concurrency, args.request_rate, args.ignore_eos,
                                              args.seed, args.api_key))
     metrics = compute_metrics(records, duration)
+    cache_after = prefix_cache_counts(base)
+    if cache_before is not None and cache_after is not None:
+        metrics["prefix_cache_queries"] = cache_after[0] - cache_before[0]
+        metrics["prefix_cache_hits"] = cache_after[1] - cache_before[1]
+    print(f"prompts' seed: {args.seed}")
     print(format_metrics(metrics))
+    if "prefix_cache_hits" in metrics:
+        print(f"prefix cache hits in this run: {metrics['prefix_cache_hits']:.0f} of "
+              f"{metrics['prefix_cache_queries']:.0f} prompt tokens")
     errors = [r.error for r in records if not r.ok]
     if errors:
         print(f"first error: {errors[0]}")

@@ -24,6 +24,7 @@ from pagedllm.model_executor.model_files import generation_eos_ids
 from pagedllm.model_executor.model_runner import ModelRunner, ModelRunnerOutput
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import GrammarCompiler, StructuredOutputBatch
 from pagedllm.utils import phase
 
 logger = logging.getLogger(__name__)
@@ -251,6 +252,12 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > vocab:
                 raise InvalidParameterError(name, f"{name} must be at most the vocabulary size ({vocab}), got {value}.")
+        bad_bias = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad_bias:
+            raise InvalidParameterError("logit_bias", f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary "
+                                                      f"[0, {vocab})")
+        if params.guided_decoding is not None:
+            self.grammars.compile(params.guided_decoding)  # an invalid constraint fails here, not in a step
         bad_stop = [t for t in params.stop_token_ids if t >= self.config.model.vocab_size]
         if bad_stop:
             raise InvalidParameterError("stop_token_ids", f"stop_token_ids {bad_stop} are outside the vocabulary "
@@ -277,6 +284,17 @@ class LLMEngine:
         for seq in group.sequences:
             self.scheduler.add_request(seq.request)
         return request_id
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler, made at the first request that has a constraint (it reads the
+        tokenizer's vocabulary); the runner applies the grammars through the same one."""
+        if self.runner.grammars is None:
+            if self.tokenizer is None:
+                raise InvalidParameterError("guided_decoding", "structured outputs need the model's tokenizer; this "
+                                                               "model has none")
+            self.runner.grammars = StructuredOutputBatch(GrammarCompiler(self.tokenizer, self.config.model.vocab_size))
+        return self.runner.grammars.compiler
 
     def _audio_prompt(self, prompt: PromptType, ids: list[int], params: SamplingParams) -> AudioPrompt | None:
         """An audio model's prompt with its audio checked and expanded; None for a text model."""

@@ -207,6 +207,7 @@ def verify_audio_sampling_params(params: SamplingParams) -> None:
         "frequency_penalty": params.frequency_penalty != 0.0, "repetition_penalty": params.repetition_penalty != 1.0,
         "logprobs": params.logprobs is not None, "prompt_logprobs": params.prompt_logprobs is not None,
         "stop": bool(params.stop), "stop_token_ids": bool(params.stop_token_ids), "min_tokens": params.min_tokens > 0,
+        "logit_bias": bool(params.logit_bias), "guided_decoding": params.guided_decoding is not None,
     }
     bad = [name for name, is_set in unsupported.items() if is_set]
     if bad:

@@ -35,6 +35,7 @@ from pagedllm.model_executor.request_state import RunnerRequest
 from pagedllm.model_executor.sampler import PendingRows, SampledRow, Sampler
 from pagedllm.model_executor.step_buffers import StepBuffers
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputBatch
 from pagedllm.utils import cdiv, phase
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class PendingOutput:
                 for req, row in zip(self._requests, self._sampled.rows()):
                     out.sampled[req.request_id] = row
                     req.append_token(row.token_id)
+                    if req.grammar is not None and not req.grammar.is_terminated():
+                        req.grammar.accept_token(row.token_id)
             for req, first, compute, hidden in self._prompt_spans:
                 out.prompt_logprobs[req.request_id] = compute(req, first, hidden)
             self._output = out
@@ -105,6 +108,7 @@ class ModelRunner:
         self.profiled_graph_bytes: int | None = None  # a decode step's peak at the largest graph size (CUDA)
         self.kv_cache: torch.Tensor | None = None
         self.requests: dict[str, RunnerRequest] = {}  # the runner's state of each request it has been sent
+        self.grammars: StructuredOutputBatch | None = None  # set by the engine at the first structured request
         self.swap_cache: torch.Tensor | None = None  # host copy of the layout for swapped-out blocks
         if is_fp8(config.kv_cache_dtype):
             self._log_kv_scales()
@@ -315,10 +319,21 @@ class ModelRunner:
                 logits = self.model.compute_logits(rows, vocab_major=True)
             else:
                 logits = self.model.compute_logits(rows)
+            if self.grammars is not None and any(r.sampling_params.guided_decoding for r in sample_reqs):
+                self.grammars.apply(logits, [self._live_matcher(r) for r in sample_reqs])
             sampled = self.sampler.sample(logits, sample_reqs) if self.audio_spec is None else \
                 PendingRows.ready(self._sample_audio(logits, sample_reqs))
         return PendingOutput(sample_reqs, sampled, [(req, first, self._prompt_logprobs, h)
                                                     for req, first, h in prompt_spans])
+
+    def _live_matcher(self, req: RunnerRequest):
+        """The request's grammar matcher while its output is constrained (None: no constraint, or complete)."""
+        params = req.sampling_params.guided_decoding
+        if params is None:
+            return None
+        if req.grammar is None:
+            req.grammar = self.grammars.compiler.matcher(params, req.output_token_ids)
+        return None if req.grammar.is_terminated() else req.grammar
 
     def _forward(self, step: StepInput, reqs: list[RunnerRequest], starts: list[int], lengths: list[int],
                  tables: list[list[int]], input_ids: list[int]) -> torch.Tensor:

@@ -136,7 +136,9 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         bans = self._min_tokens_bans(requests)
         wants_logprobs = any(p.logprobs is not None for p in params)
-        if all(p.greedy for p in params) and not wants_logprobs and not bans and not any(map(_has_penalty, params)):
+        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if all(p.greedy for p in params) and not wants_logprobs and not bans and not biased \
+                and not any(map(_has_penalty, params)):
             # Nothing changes the logits: the first maximum of the model's own, with no float32 copy.
             return PendingRows(argmax_rows(logits), _token_rows)
 
@@ -146,6 +148,10 @@ class Sampler:
         ban_index = _flat_index(bans, logits.device)
         if ban_index is not None:
             logits[ban_index] = _NEG_INF
+        if biased:  # OpenAI's logit_bias, every row's in one scatter
+            rows, ids = _flat_index([(i, list(bias)) for i, bias in biased], logits.device)
+            values = torch.tensor([b for _, bias in biased for b in bias.values()], dtype=logits.dtype)
+            logits.index_put_((rows, ids), values.to(logits.device), accumulate=True)
         logits = self._apply_penalties(logits, requests, batch)
         greedy_rows = [p.greedy for p in params]
         if all(greedy_rows):
@@ -166,7 +172,8 @@ class Sampler:
         top-p), softmaxes (min-p, logprobs) and penalties want rows contiguous."""
         for r in requests:
             p = r.sampling_params
-            if p.logprobs is not None or p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 or _has_penalty(p):
+            if p.logprobs is not None or p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 or _has_penalty(p) \
+                    or p.guided_decoding is not None:  # (xgrammar's bitmask is applied to contiguous rows)
                 return False
         return True
 

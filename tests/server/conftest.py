@@ -73,6 +73,31 @@ def _start_server(model: Path, log_dir: Path, extra: list[str]) -> tuple[subproc
     raise AssertionError("unreachable")
 
 
+def start_command(make_cmd, log_dir: Path, deadline_polls: int = 1200) -> tuple[subprocess.Popen, str]:
+    """Start on a free port; return once /health answers 200 (polled every 0.1 s, bounded)."""
+    port = _free_port()
+    err_path = log_dir / f"server-{port}.stderr"
+    with open(err_path, "wb") as err, open(log_dir / f"server-{port}.stdout", "wb") as out:
+        proc = subprocess.Popen(make_cmd(port), stdout=out, stderr=err)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy():
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}; stderr:\n{_tail(err_path)}")
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, "the server's /health", attempts=deadline_polls, interval_s=0.1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, url
+
+
 def _stop_server(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:

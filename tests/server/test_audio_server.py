@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import io
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -26,12 +25,11 @@ from tests.audio_helpers import (
     sine_wave,
 )
 from tests.server.conftest import (
-    _free_port,
     _stop_server,
-    _tail,
     kv_idle,
     metric,
     metric_samples,
+    start_command,
     wait_until,
 )
 
@@ -45,31 +43,6 @@ def seed_command(model: Path, codec: Path, port: int) -> list[str]:
             "--served-model-name", NAME, "--audio-tokenizer-type", str(codec), "--limit-mm-per-prompt", "audio=50",
             "--max-model-len", "2048", "--port", str(port), "--gpu-memory-utilization", "0.8", "--swap-space", "4",
             "--disable-mm-preprocessor-cache", "--enforce-eager"]
-
-
-def start(make_cmd, log_dir: Path, deadline_polls: int = 1200) -> tuple[subprocess.Popen, str]:
-    """Start on a free port; return once /health answers 200 (polled every 0.1 s, bounded)."""
-    port = _free_port()
-    err_path = log_dir / f"server-{port}.stderr"
-    with open(err_path, "wb") as err, open(log_dir / f"server-{port}.stdout", "wb") as out:
-        proc = subprocess.Popen(make_cmd(port), stdout=out, stderr=err)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy():
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}; stderr:\n{_tail(err_path)}")
-        try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(healthy, "the audio server's /health", attempts=deadline_polls, interval_s=0.1)
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    return proc, url
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +60,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def seed_url(files) -> Iterator[str]:
-    proc, url = start(lambda port: seed_command(files["model"], files["codec"], port), files["logs"])
+    proc, url = start_command(lambda port: seed_command(files["model"], files["codec"], port), files["logs"])
     try:
         yield url
     finally:
@@ -101,7 +74,7 @@ def voices_url(files) -> Iterator[str]:
                 "--served-model-name", NAME, "--audio-tokenizer-path", str(files["codec"]), "--port", str(port),
                 "--max-model-len", "512", "--limit-mm-per-prompt", '{"audio": 2}', "--mm-processor-cache-gb", "0.01",
                 "--voice-presets-dir", str(files["voices"])]
-    proc, url = start(cmd, files["logs"])
+    proc, url = start_command(cmd, files["logs"])
     try:
         yield url
     finally:

@@ -347,3 +347,28 @@ def test_the_openapi_document_lists_the_statuses_and_bodies_the_server_sends(ser
     assert "/v1/audio/speech" not in doc["paths"]  # a text model: no audio routes documented
     tokens = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert tokens["type"] == "integer" and tokens["minimum"] == 0 and tokens["maximum"] > 0
+
+
+def test_what_third_party_clients_send_is_accepted(server_url, http):
+    """OpenAI fields at values that do not change the answer, unknown fields (ignored with a warning), guidellm's
+    stream_options, the SDK's models.retrieve."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for extra in [{"store": False}, {"metadata": {"k": "v"}}, {"service_tier": "auto"}, {"reasoning_effort": "low"},
+                  {"verbosity": "low"}, {"prompt_cache_key": "abc"}, {"safety_identifier": "u1"},
+                  {"prediction": None}, {"functions": None}, {"web_search_options": None},
+                  {"some_future_field": {"x": 1}}]:
+        r = http.post("/v1/chat/completions", json=chat | extra)
+        assert r.status_code == 200, (extra, r.text)
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True,
+                                           "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert all("usage" in e for e in events) and events[-1]["usage"]["completion_tokens"] == 3
+    assert [e["usage"]["completion_tokens"] for e in events[:-1] if e["choices"]] == list(range(1, 4))
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 3, "stream": True,
+                                           "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["total_tokens"] > 3
+    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key=API_KEY, max_retries=0)
+    assert client.models.retrieve("alias").id == "alias"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")

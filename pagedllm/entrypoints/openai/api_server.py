@@ -39,6 +39,7 @@ from pagedllm.entrypoints.openai.openapi import (
     CompletionResponse,
     DetokenizeResponse,
     MemoryResponse,
+    ModelCard,
     ModelList,
     TokenizeResponse,
     VersionResponse,
@@ -154,10 +155,20 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
 
     @app.get("/v1/models", dependencies=v1, responses={200: json_ok(ModelList, "The served model names"), **READ_ONLY})
     async def models():
-        cards = [{"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
-                  "root": str(llm_engine.config.model.path), "parent": None,
-                  "max_model_len": llm_engine.config.model.max_model_len} for name in served_names]
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [model_card(name) for name in served_names]}
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
+                "root": str(llm_engine.config.model.path), "parent": None,
+                "max_model_len": llm_engine.config.model.max_model_len}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=v1,
+             responses={200: json_ok(ModelCard, "The model"), **error_responses(401, 404, 503)})
+    async def model(model_id: str):
+        """OpenAI's models.retrieve (names may hold slashes: "Qwen/Qwen2.5-0.5B")."""
+        if model_id not in served_names:
+            raise APIError(404, f"The model `{model_id}` does not exist. Served: {', '.join(served_names)}.", "model")
+        return model_card(model_id)
 
     async def respond(result):
         if isinstance(result, dict):

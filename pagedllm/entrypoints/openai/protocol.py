@@ -1,34 +1,81 @@
 """OpenAI API request bodies (with vLLM's extra sampling fields) as pydantic models.
 
-Unknown fields are rejected (400) rather than silently ignored; fields OpenAI defines that we do
-not implement are accepted only at their neutral value. Types are strict where OpenAI's are: a token id is
-an integer (not 1.0 or true), a flag a boolean (not "false"), a number a number (not "1").
+Unknown fields are ignored with one warning per field name (as vLLM: clients send fields of newer API
+versions); fields OpenAI defines that pagedllm cannot honour are refused only at values that would change the
+answer. Types are strict where OpenAI's are: a token id is an integer (not 1.0 or true), a flag a boolean (not
+"false"), a number a number (not "1").
 """
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import GuidedDecodingParams
+
+logger = logging.getLogger(__name__)
+
+_WARNED: set[tuple[str, str]] = set()
+_MAX_WARNED = 1000  # field names remembered (a fuzzer sends endless new ones)
 
 
-STRICT = ConfigDict(extra="forbid", strict=True)
+class LenientModel(BaseModel):
+    """Unknown fields are dropped, with one warning per (request kind, field name)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name in data.keys() - cls.model_fields.keys():
+                key = (cls.__name__, str(name)[:100])
+                if key not in _WARNED and len(_WARNED) < _MAX_WARNED:
+                    _WARNED.add(key)
+                    logger.warning("ignoring the unknown field %r of %s requests (and from now on, silently)",
+                                   key[1], cls.__name__)
+        return data
+
+
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 # vLLM's default --max-logprobs. More than the vocabulary fails the engine step (torch.topk), and
 # with it every running request: such a request is refused before it reaches the engine.
 MAX_LOGPROBS = 20
 
 
-class StreamOptions(BaseModel):
-    model_config = STRICT
+class StreamOptions(LenientModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _SamplingRequest(BaseModel):
-    model_config = STRICT
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
 
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(LenientModel):
+    """vLLM's `structured_outputs` object: one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class _SamplingRequest(LenientModel):
     model: str | None = None
     n: int = Field(default=1, ge=1)
     temperature: float | None = Field(default=None, ge=0)
@@ -56,14 +103,42 @@ class _SamplingRequest(BaseModel):
     cache_salt: str | None = Field(default=None, min_length=1)
     # vLLM's: lower is more important; decides which running request is preempted first.
     priority: int = 0
+    # Structured outputs (vLLM's extra fields; chat's response_format too): at most one of them.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """The request's constraint, named by the field that set it; None: free text."""
+        given = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(GuidedDecodingParams(json_object=True, param="response_format"))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise InvalidParameterError("response_format", "response_format json_schema needs "
+                                                               "{\"json_schema\": {\"schema\": {...}}}")
+            given.append(GuidedDecodingParams(json=rf.json_schema.json_schema, param="response_format"))
+        for field_name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                                 ("guided_grammar", "grammar")):
+            value = getattr(self, field_name)
+            if value is not None:
+                given.append(GuidedDecodingParams(**{kind: value}, param=field_name))
+        so = self.structured_outputs
+        if so is not None:
+            given.append(GuidedDecodingParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                              json_object=bool(so.json_object), param="structured_outputs"))
+        if len(given) > 1:
+            raise InvalidParameterError(given[1].param, f"{given[0].param} and {given[1].param} both constrain the "
+                                                        f"output: give one")
+        return given[0] if given else None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(param, why) for OpenAI fields set to values we don't implement."""
         out = []
-        if self.logit_bias:
-            out.append(("logit_bias", "logit_bias is not supported"))
-        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
-            out.append(("stream_options", "stream_options.continuous_usage_stats is not supported"))
         return out
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None, default_max_tokens: int
@@ -80,7 +155,19 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=_token_bias(self.logit_bias), guided_decoding=self.guided_decoding(),
         )
+
+
+def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) with integer keys."""
+    if not logit_bias:
+        return None
+    bad = [k for k in logit_bias if not k.isdigit()]
+    if bad:
+        raise InvalidParameterError("logit_bias", f"logit_bias keys must be token ids (non-negative integers), "
+                                                  f"got {bad[:3]!r}.")
+    return {int(k): v for k, v in logit_bias.items()}
 
 
 class CompletionRequest(_SamplingRequest):
@@ -107,15 +194,9 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True)
-    type: Literal["text", "json_object", "json_schema"]
-
-
-class ChatAudioOutput(BaseModel):
+class ChatAudioOutput(LenientModel):
     """OpenAI's `audio` of a chat request with modalities ["text", "audio"]: the voice and file format."""
 
-    model_config = STRICT
     voice: str | None = None  # a --voice-presets-dir voice; None: the model's own choice
     format: str = "wav"
 
@@ -126,7 +207,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -136,12 +216,28 @@ class ChatCompletionRequest(_SamplingRequest):
     # OpenAI's audio output: modalities ["text", "audio"] and the audio's voice and format.
     modalities: list[Literal["text", "audio"]] | None = None
     audio: ChatAudioOutput | None = None
+    # OpenAI fields that do not change the answer: accepted at any value and ignored.
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    prediction: dict[str, Any] | None = None
+    # OpenAI fields that would change it: refused unless at their neutral value.
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.response_format is not None and self.response_format.type != "text":
-            out.append(("response_format", f"response_format type {self.response_format.type!r} is not "
-                                           f"supported (only 'text')"))
+        if self.functions:
+            out.append(("functions", "functions (the deprecated form of tools) are not supported"))
+        if self.function_call not in (None, "none", "auto"):
+            out.append(("function_call", "function_call is not supported"))
+        if self.web_search_options is not None:
+            out.append(("web_search_options", "web search is not supported"))
         if self.tools:
             out.append(("tools", "tool calling is not supported"))
         if self.tool_choice not in (None, "none", "auto"):
@@ -151,10 +247,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return out
 
 
-class SpeechRequest(BaseModel):
+class SpeechRequest(LenientModel):
     """OpenAI's POST /v1/audio/speech, plus streaming and sampling fields (vLLM style)."""
 
-    model_config = STRICT
     model: str | None = None
     input: str = Field(min_length=1)
     voice: str | None = None  # a --voice-presets-dir voice; None: the model's own choice
@@ -169,11 +264,10 @@ class SpeechRequest(BaseModel):
     max_tokens: int | None = None  # generation steps (frames) at most
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(LenientModel):
     """Exactly one of `prompt` and `messages` (neither may be null)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True,
-                              json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: str | None = None
     prompt: str = None  # type: ignore[assignment]  (absent: None; null is refused)
     messages: list[ChatMessage] = Field(default=None, min_length=1)  # type: ignore[assignment]
@@ -181,7 +275,6 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = STRICT
+class DetokenizeRequest(LenientModel):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]  # (and below the vocabulary size: the document says it)

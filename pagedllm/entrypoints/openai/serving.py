@@ -15,7 +15,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, Reques
 from pagedllm.entrypoints.openai.errors import APIError, error_body, param_of
 from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S
 from pagedllm.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
-from pagedllm.errors import InvalidPromptError
+from pagedllm.errors import InvalidParameterError, InvalidPromptError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -76,6 +76,16 @@ class ServingContext:
                                     f"{param} is longer: its first {limit} of {len(text)} characters alone are "
                                     f"{head} tokens.", param)
         return await self.run(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def compile_constraint(self, params: SamplingParams) -> None:
+        """A structured output's grammar, compiled off the engine thread (the engine then finds it cached);
+        an invalid schema, regex or grammar is a 400 naming its field."""
+        if params.guided_decoding is None:
+            return
+        try:
+            await self.run(lambda: self.engine.engine.grammars.compile(params.guided_decoding))
+        except InvalidParameterError as e:
+            raise APIError(400, str(e), e.param) from None
 
     async def render_chat(self, messages: list[dict], template: str | None,
                           add_generation_prompt: bool) -> tuple[str, list[int]]:
@@ -200,6 +210,7 @@ async def _start(ctx: ServingContext, prefix: str, prompts: list, params: Sampli
     """Submit every prompt (text tokenized off the engine thread first); the first invalid one aborts those
     already submitted and raises 400."""
     ctx.check_capacity()
+    await ctx.compile_constraint(params)
     prompts = [{"prompt": p, "prompt_token_ids": await ctx.tokenize(p)} if isinstance(p, str) else p for p in prompts]
     base = f"{prefix}-{uuid.uuid4().hex}"
     ids, streams = [], []
@@ -267,6 +278,19 @@ def _completion_logprobs(entries, first_offset: int = 0) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _chunk_usage(options):
+    """What a stream's chunks carry besides their choices: with stream_options.include_usage, "usage": null
+    (the totals come in a last chunk of their own), or with continuous_usage_stats the counts so far (vLLM)."""
+    def field(out: RequestOutput | None) -> dict:
+        if options is None or not (options.include_usage or options.continuous_usage_stats):
+            return {}
+        if options.continuous_usage_stats and out is not None:
+            return {"usage": _usage([out])}
+        return {"usage": None}
+
+    return field
+
+
 def _usage(outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
     completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
@@ -307,6 +331,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": choices, "usage": _usage(outputs)}
 
+    usage_field = _chunk_usage(req.stream_options)
+
     async def events():
         cursors: dict[tuple[int, int], _TextCursor] = {}
         finals: dict[int, RequestOutput] = {}
@@ -327,7 +353,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "choices": [{"index": i * n + c.index, "text": delta, "logprobs": logprobs,
                                              "finish_reason": c.finish_reason if c.finished() else None,
-                                             "stop_reason": c.stop_reason}]})
+                                             "stop_reason": c.stop_reason}]} | usage_field(out))
                 if out.finished:
                     finals[i] = out
             if req.stream_options and req.stream_options.include_usage:
@@ -391,17 +417,20 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": _usage([out])}
 
+    usage_field = _chunk_usage(req.stream_options)
+    current: list[RequestOutput] = []  # the output the chunks being written come from
+
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
-        if usage is not None:
-            body["usage"] = usage
-        return _sse(body)
+        return _sse(body | ({"usage": usage} if usage is not None else usage_field(current[-1] if current else None)))
 
     async def events():
         cursors: dict[int, _TextCursor] = {}
         final = None
         try:
             async for _, out in _merge(streams):
+                current.append(out)
+                del current[:-1]
                 for c in out.outputs:
                     if c.index not in cursors:
                         cursors[c.index] = _TextCursor(params.stop)

@@ -1,0 +1,149 @@
+"""Structured outputs with xgrammar (the library vLLM and SGLang use): a request's constraint (a JSON schema,
+any JSON object, a regex, a choice of strings, an EBNF grammar) is compiled once into a grammar; the model
+runner keeps a matcher per request that advances with its tokens, and before each sampling step fills the
+batch's token bitmask and applies it to the logits on the device.
+
+GuidedDecodingParams has vLLM's field names (SamplingParams(guided_decoding=...))."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.errors import InvalidParameterError
+
+_CACHE_SIZE = 256  # compiled grammars kept (xgrammar's compiler caches its own work too)
+
+
+@dataclass(frozen=True)
+class GuidedDecodingParams:
+    """Exactly one constraint. `param` names the request field it came from (errors name it)."""
+
+    json: str | dict[str, Any] | None = None  # a JSON schema (a dict, or its text)
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF-style, as xgrammar and llama.cpp take it)
+    json_object: bool = False  # any JSON object
+    param: str = "guided_decoding"
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidParameterError(self.param, f"{self.param} takes exactly one of json, regex, choice, grammar "
+                                                    f"or json_object; got {', '.join(given) or 'none'}.")
+        if self.choice is not None:
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise InvalidParameterError(self.param, "choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec text): what is compiled, and what the cache is keyed by."""
+        if self.json is not None:
+            spec = self.json if isinstance(self.json, str) else json.dumps(self.json)  # (key order is output order)
+            return "json", spec
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "grammar", "root ::= " + " | ".join(json.dumps(c) for c in self.choice)
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json_object", ""
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary (the model's logits width), once each."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 2) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
+        self.vocab_size = vocab_size
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()  # the server validates on its threads, the runner compiles on the engine's
+        self.on_compile = None  # callback(seconds) for /metrics
+
+    def compile(self, params: GuidedDecodingParams):
+        """The compiled grammar; an invalid schema, regex or grammar is an InvalidParameterError naming the field."""
+        key = params.key
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        start = time.perf_counter()
+        kind, spec = key
+        try:
+            if kind == "json":
+                compiled = self.compiler.compile_grammar(_json_schema_grammar(self._xgr, spec))
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(spec)
+            elif kind == "grammar":
+                compiled = self.compiler.compile_grammar(spec)
+            else:  # json_object: OpenAI's is an object (xgrammar's built-in JSON grammar allows any value)
+                compiled = self.compiler.compile_grammar(_json_schema_grammar(self._xgr, _ANY_OBJECT))
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types with the reason
+            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
+            raise InvalidParameterError(params.param, f"{params.param}: invalid {what}: "
+                                                      f"{str(e).strip().splitlines()[0][:300]}") from None
+        if self.on_compile is not None:
+            self.on_compile(time.perf_counter() - start)
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, params: GuidedDecodingParams, output_token_ids: list[int]):
+        """A matcher for the request, advanced over the tokens it has already generated (a request rebuilt
+        after a preemption resumes where its output is)."""
+        matcher = self._xgr.GrammarMatcher(self.compile(params))
+        for token in output_token_ids:
+            if not matcher.accept_token(token):
+                break
+        return matcher
+
+
+# xgrammar (0.2.9) writes a string with a maxLength / minLength as characters of [^"\\\r\n], which lets raw
+# control characters (U+0000-U+001F) in: not JSON (json.loads refuses them). Its unbounded strings exclude them.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+_ANY_OBJECT = '{"type": "object", "additionalProperties": true}'
+
+
+def _json_schema_grammar(xgr, schema: str) -> str:
+    """The EBNF of a JSON schema (compact: no optional whitespace), every string character JSON allows raw."""
+    grammar = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=True))
+    return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+
+
+class StructuredOutputBatch:
+    """A step's bitmask: filled on the host for the rows that have a live matcher, applied on the device."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.compiler = compiler
+        self._batch = xgr.BatchGrammarMatcher(max_threads=2)
+        self.on_bitmask = None  # callback(seconds) for /metrics
+
+    def apply(self, logits, matchers: list) -> None:
+        """matchers[i]: row i's matcher, or None (unconstrained, or its grammar already complete)."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return
+        start = time.perf_counter()
+        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.compiler.vocab_size)
+        self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                              vocab_size=self.compiler.vocab_size, indices=rows)
+        if self.on_bitmask is not None:
+            self.on_bitmask(time.perf_counter() - start)
