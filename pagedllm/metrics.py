@@ -54,6 +54,12 @@ class EngineMetrics:
         self.batch_size = Histogram(p + "iteration_num_sequences", "Sequences in one engine step.", labels,
                                     buckets=(1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256), registry=r
                                     ).labels(model_name)
+        self.grammar_compile = Histogram(p + "structured_output_compile_seconds",
+                                         "Time to compile a structured output's grammar (cache misses).", labels,
+                                         buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5), registry=r
+                                         ).labels(model_name)
+        self.grammar_bitmask = counter("structured_output_bitmask_seconds",
+                                       "Time spent filling and applying structured outputs' token bitmasks.")
         self._model_name = model_name
         self._tokens: dict[str, int] = {}
         self._last_time: dict[str, float] = {}
@@ -71,6 +77,7 @@ class EngineMetrics:
         self.prefix_hits.inc(stats.hits - self._seen_prefix[1])
         self._seen_prefix = (stats.queries, stats.hits)
         self.batch_size.observe(engine.last_step_num_requests)
+        self._on_structured_outputs(engine)
         for out in outputs:
             rid = out.request_id
             produced = sum(len(c.token_ids) for c in out.outputs)
@@ -92,6 +99,15 @@ class EngineMetrics:
                     self.success.labels(self._model_name, c.finish_reason or "abort").inc()
                 self._tokens.pop(rid, None)
                 self._last_time.pop(rid, None)
+
+    def _on_structured_outputs(self, engine: LLMEngine) -> None:
+        grammars = engine.runner.grammars
+        if grammars is None:
+            return
+        for seconds in grammars.compiler.take_compile_times():
+            self.grammar_compile.observe(seconds)
+        self.grammar_bitmask.inc(grammars.bitmask_seconds - self._seen.get("bitmask_seconds", 0.0))
+        self._seen["bitmask_seconds"] = grammars.bitmask_seconds
 
     def _on_preemptions(self, engine: LLMEngine) -> None:
         self.swapped.set(len(engine.scheduler.swapped))

@@ -67,7 +67,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()  # the server validates on its threads, the runner compiles on the engine's
-        self.on_compile = None  # callback(seconds) for /metrics
+        self._compile_times: list[float] = []  # seconds of each compile (cache miss) not yet taken by /metrics
 
     def compile(self, params: GuidedDecodingParams):
         """The compiled grammar; an invalid schema, regex or grammar is an InvalidParameterError naming the field."""
@@ -91,13 +91,23 @@ class GrammarCompiler:
             what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
             raise InvalidParameterError(params.param, f"{params.param}: invalid {what}: "
                                                       f"{str(e).strip().splitlines()[0][:300]}") from None
-        if self.on_compile is not None:
-            self.on_compile(time.perf_counter() - start)
         with self._lock:
+            if len(self._compile_times) < 10_000:
+                self._compile_times.append(time.perf_counter() - start)
             self._cache[key] = compiled
             while len(self._cache) > _CACHE_SIZE:
                 self._cache.popitem(last=False)
         return compiled
+
+    def take_compile_times(self) -> list[float]:
+        with self._lock:
+            times, self._compile_times = self._compile_times, []
+        return times
+
+    @property
+    def cache_bytes(self) -> int:
+        """Memory the compiled grammars hold (xgrammar's compiler cache)."""
+        return int(self.compiler.get_cache_size_bytes())
 
     def matcher(self, params: GuidedDecodingParams, output_token_ids: list[int]):
         """A matcher for the request, advanced over the tokens it has already generated (a request rebuilt
@@ -133,7 +143,7 @@ class StructuredOutputBatch:
         self._xgr = xgr
         self.compiler = compiler
         self._batch = xgr.BatchGrammarMatcher(max_threads=2)
-        self.on_bitmask = None  # callback(seconds) for /metrics
+        self.bitmask_seconds = 0.0  # filling and applying bitmasks, since start (/metrics)
 
     def apply(self, logits, matchers: list) -> None:
         """matchers[i]: row i's matcher, or None (unconstrained, or its grammar already complete)."""
@@ -145,5 +155,4 @@ class StructuredOutputBatch:
         self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                               vocab_size=self.compiler.vocab_size, indices=rows)
-        if self.on_bitmask is not None:
-            self.on_bitmask(time.perf_counter() - start)
+        self.bitmask_seconds += time.perf_counter() - start

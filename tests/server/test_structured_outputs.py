@@ -13,7 +13,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.structured_output import GuidedDecodingParams
-from tests.server.conftest import API_KEY, kv_idle, wait_until
+from tests.server.conftest import API_KEY, kv_idle, metric, wait_until
 
 NUM_SCHEMAS = 50
 
@@ -154,3 +154,11 @@ def test_grammar_state_survives_preemption(tiny_llama):
     assert got == expected
     for text, schema in zip(got, schemas):
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_metrics_and_memory_count_structured_output_work(server_url, http):
+    http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 8,
+                                       "guided_regex": "[0-9]{4}x"}).raise_for_status()
+    assert metric(server_url, "pagedllm:structured_output_compile_seconds_count") > 0
+    assert metric(server_url, "pagedllm:structured_output_bitmask_seconds_total") > 0
+    assert http.get("/v1/memory").json()["structured_output_cache_bytes"] > 0

@@ -194,9 +194,11 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                                 f"input and output need a speech model served with --audio-tokenizer-type")
         return app.state.audio
 
-    @app.post("/v1/audio/speech", dependencies=v1, include_in_schema=with_audio, responses={200: {"description": "The audio file (or stream)",
-              "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in AUDIO_CONTENT_TYPES}},
-              **GENERATION})
+    audio_file = {"description": "The audio file (or stream)",
+                  "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in AUDIO_CONTENT_TYPES}}
+
+    @app.post("/v1/audio/speech", dependencies=v1, include_in_schema=with_audio,
+              responses={200: audio_file, **GENERATION})
     async def speech(body: SpeechRequest, raw: Request):
         return await serving_audio.create_speech(_audio(), body, raw)
 
@@ -259,6 +261,8 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                 "swap_usage": {"blocks_total": e.num_swap_blocks, "blocks_used": e.kv_cache.num_swapped_blocks,
                                "usage": e.kv_cache.swap_usage},
                 "num_preemptions": e.scheduler.num_preemptions,
+                "structured_output_cache_bytes":
+                    0 if e.runner.grammars is None else e.runner.grammars.compiler.cache_bytes,
             }
         return await engine.call(snapshot)
 
