@@ -192,14 +192,16 @@ class LLMEngine:
         raise InvalidPromptError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
-                            add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """Render a conversation with the model's (or the given) chat template -> (text, token ids)."""
+                            add_generation_prompt: bool = True, tools: list[dict] | None = None
+                            ) -> tuple[str, list[int]]:
+        """Render a conversation (and the tools it may call) with the model's (or the given) chat template ->
+        (text, token ids)."""
         if self.tokenizer is None:
             raise InvalidPromptError("chat needs a tokenizer with a chat template; this model has no tokenizer")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidPromptError("this model's tokenizer has no chat template; pass one (--chat-template)")
         text = self.tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt, tools=tools)
         # The template already holds the special tokens (BOS): don't add them twice.
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 

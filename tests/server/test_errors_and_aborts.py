@@ -77,8 +77,9 @@ CASES = [
      ["token ids"]),
     ("functions", "/v1/chat/completions", {"messages": CHAT, "functions": [{"name": "f"}]}, 400, "functions",
      ["functions"]),
-    ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     400, "tools", ["tool"]),
+    ("tools-auto-without-parser", "/v1/chat/completions",
+     {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice",
+     ["--enable-auto-tool-choice"]),
     # Values that used to fail the engine step (503 for everyone, for good) or stall its thread.
     ("logprobs-huge", "/v1/completions", {"prompt": "hi", "logprobs": 10**6}, 400, "logprobs", ["20", "1000000"]),
     ("top_logprobs-huge", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 10**6}, 400,

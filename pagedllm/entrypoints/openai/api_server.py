@@ -56,6 +56,7 @@ from pagedllm.entrypoints.openai.protocol import (
     SpeechRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.entrypoints.openai.serving import (
     ServingContext,
     create_chat_completion,
@@ -69,11 +70,11 @@ logger = logging.getLogger("pagedllm.server")
 def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics: EngineMetrics | None = None,
               audio: AudioServerConfig | None = None, max_body_bytes: int | None = None,
-              max_waiting_requests: int | None = None) -> FastAPI:
+              max_waiting_requests: int | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The API; app.state.guard is the ASGI app to serve (the body limit and draining in front of it)."""
     llm_engine = engine.engine
     max_model_len = llm_engine.config.model.max_model_len
-    ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests)
+    ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests, tool_call_parser)
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key)
     app.openapi = lambda: truthful_openapi(app, OPEN_PATHS, api_key is not None, app.state.audio is not None,
@@ -300,6 +301,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting-requests", type=int, default=None,
                    help="requests waiting to be scheduled beyond which new ones get 503 + Retry-After "
                         "(default: no limit, as vLLM)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let the model decide when to call tools (tool_choice auto); needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                   help="how tool calls are read from the model's reply: hermes (<tool_call> blocks: Qwen, Hermes) "
+                        "or llama3_json (a JSON object: Llama 3.1+)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM/SIGINT before they are "
                         "ended with an error (a second signal ends them at once)")
@@ -349,6 +355,8 @@ def run_server(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import load_tokenizer
 
     refuse_unimplemented(ns)
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     chat_template = _read_chat_template(ns.chat_template)
     api_key = ns.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
     config = engine_args_from(ns).create_engine_config()
@@ -364,7 +372,7 @@ def run_server(ns: argparse.Namespace) -> int:
     metrics = EngineMetrics(names[0])
     engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step, abort_listener=metrics.forget)
     app = build_app(engine, names, api_key, chat_template, metrics, audio, ns.max_request_body_bytes,
-                    ns.max_waiting_requests)
+                    ns.max_waiting_requests, ns.tool_call_parser if ns.enable_auto_tool_choice else None)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
                 llm_engine.config.model.max_model_len)
     server = DrainingServer(uvicorn.Config(app.state.guard, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,

@@ -40,7 +40,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: int | str | None = None
 
 
@@ -77,17 +77,33 @@ class ChatAudio(BaseModel):
     transcript: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
     content: str | None
     audio: ChatAudio | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: int | str | None = None
 
 
@@ -103,13 +119,14 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: int | str | None = None
 
 

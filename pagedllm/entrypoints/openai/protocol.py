@@ -238,10 +238,6 @@ class ChatCompletionRequest(_SamplingRequest):
             out.append(("function_call", "function_call is not supported"))
         if self.web_search_options is not None:
             out.append(("web_search_options", "web search is not supported"))
-        if self.tools:
-            out.append(("tools", "tool calling is not supported"))
-        if self.tool_choice not in (None, "none", "auto"):
-            out.append(("tool_choice", "tool calling is not supported"))
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
         return out

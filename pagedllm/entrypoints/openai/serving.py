@@ -14,10 +14,17 @@ from fastapi import Request
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
 from pagedllm.entrypoints.openai.errors import APIError, error_body, param_of
 from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S
+from pagedllm.entrypoints.openai.tool_calls import (
+    calls_from_constrained,
+    check_tools,
+    constraint_for,
+    parse_tool_calls,
+)
 from pagedllm.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 from pagedllm.errors import InvalidParameterError, InvalidPromptError
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import GuidedDecodingParams
 
 
 # A prompt longer than this many characters per token of max_model_len is measured on a prefix first: text
@@ -32,6 +39,7 @@ class ServingContext:
     max_model_len: int
     chat_template: str | None = None
     max_waiting_requests: int | None = None  # --max-waiting-requests; None: no limit
+    tool_call_parser: str | None = None  # with --enable-auto-tool-choice: how tool_choice auto's replies are read
     # Tokenization and chat templates run here, off the engine thread and the event loop; one worker, so
     # the tokenizer is never used by two of them at once.
     tokenizer_pool: ThreadPoolExecutor = field(
@@ -87,12 +95,12 @@ class ServingContext:
         except InvalidParameterError as e:
             raise APIError(400, str(e), e.param) from None
 
-    async def render_chat(self, messages: list[dict], template: str | None,
-                          add_generation_prompt: bool) -> tuple[str, list[int]]:
-        """The conversation through the chat template -> (text, token ids), off the engine thread."""
+    async def render_chat(self, messages: list[dict], template: str | None, add_generation_prompt: bool,
+                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """The conversation (and tools) through the chat template -> (text, token ids), off the engine thread."""
         engine = self.engine.engine
         try:
-            return await self.run(engine.apply_chat_template, messages, template, add_generation_prompt)
+            return await self.run(engine.apply_chat_template, messages, template, add_generation_prompt, tools)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # a template that fails to render on these messages
@@ -380,6 +388,57 @@ def _chat_logprobs(token_ids: list[int], entries, top_n: int) -> dict:
     return {"content": content}
 
 
+@dataclass
+class ToolUse:
+    """A chat request's tools: what the template renders, what constrains the reply, how the reply is read."""
+
+    choice: str | dict | None = None
+    tools: dict[str, dict] = field(default_factory=dict)
+    parser: str | None = None  # the server's --tool-call-parser, for tool_choice auto
+    constraint: GuidedDecodingParams | None = None
+
+    @classmethod
+    def of(cls, ctx: ServingContext, req: ChatCompletionRequest) -> ToolUse:
+        try:
+            tools = check_tools(req.tools, req.tool_choice)
+        except InvalidParameterError as e:
+            raise APIError(400, str(e), e.param) from None
+        if not tools:
+            return cls()
+        choice = req.tool_choice if req.tool_choice is not None else "auto"
+        if choice == "auto" and ctx.tool_call_parser is None:
+            raise APIError(400, "tool_choice auto (the default with tools) needs the server started with "
+                                "--enable-auto-tool-choice --tool-call-parser NAME; or pass tool_choice required, "
+                                "a named function, or none", "tool_choice")
+        return cls(choice, tools, ctx.tool_call_parser,
+                   constraint_for(tools, choice, parallel=req.parallel_tool_calls is not False))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def rendered(self) -> list[dict] | None:
+        """The tools the chat template is given (none with tool_choice none, as vLLM by default)."""
+        return list(self.tools.values()) if self.active else None
+
+    def reply(self, c: CompletionOutput) -> tuple[dict, str | None]:
+        """(message, finish_reason) of a finished sample."""
+        message = {"role": "assistant", "content": c.text}
+        if not self.active:
+            return message, c.finish_reason
+        if self.constraint is not None:
+            if c.finish_reason != "stop":  # cut by max_tokens: the calls are incomplete
+                return message, c.finish_reason
+            calls = calls_from_constrained(c.text, self.choice)
+            finish = "stop" if isinstance(self.choice, dict) else "tool_calls"  # (as OpenAI)
+            return {"role": "assistant", "content": None, "tool_calls": [t.to_openai() for t in calls]}, finish
+        content, calls = parse_tool_calls(self.parser, c.text)
+        if not calls:
+            return message, c.finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": [t.to_openai() for t in calls]}, "tool_calls"
+
+
 def _messages(req: ChatCompletionRequest) -> list[dict]:
     messages = []
     for k, m in enumerate(req.messages):
@@ -392,8 +451,27 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
                                         f"(only 'text')", "messages")
                 parts.append(part.get("text", ""))
             content = "".join(parts)
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        extra = m.model_extra or {}
+        if extra.get("tool_calls"):  # an assistant's earlier calls: templates want the arguments as objects
+            message["tool_calls"] = [_call_for_template(call) for call in extra["tool_calls"]]
+        for key in ("tool_call_id", "name"):
+            if extra.get(key) is not None or getattr(m, key, None) is not None:
+                message[key] = extra.get(key, getattr(m, key, None))
+        messages.append(message)
     return messages
+
+
+def _call_for_template(call) -> dict:
+    if not isinstance(call, dict):
+        return call
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            pass
+    return {**call, "function": fn}
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
@@ -401,19 +479,28 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling_params(ctx, req, max_tokens, logprobs, None, "top_logprobs")
+    tools = ToolUse.of(ctx, req)
+    if tools.constraint is not None:
+        if params.guided_decoding is not None:
+            raise APIError(400, f"tool_choice {tools.choice!r} constrains the reply, and so does "
+                                f"{params.guided_decoding.param}: give one", "tool_choice")
+        params = params.clone(guided_decoding=tools.constraint)
     messages = _messages(req)
     template = req.chat_template or ctx.chat_template
     ctx.check_capacity()
-    text, ids = await ctx.render_chat(messages, template, req.add_generation_prompt)
+    text, ids = await ctx.render_chat(messages, template, req.add_generation_prompt, tools.rendered)
     streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params, req.cache_salt,
                            req.priority)
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
 
     if not req.stream:
         (out,) = await _collect(streams, raw)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            message, finish = tools.reply(c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": _chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                            if req.logprobs else None, "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": _usage([out])}
 
@@ -436,6 +523,17 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                         cursors[c.index] = _TextCursor(params.stop)
                         yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}])
+                    if tools.active:  # the reply is parsed whole: it is sent as one delta when complete
+                        if c.finished():
+                            message, finish = tools.reply(c)
+                            delta = {"content": message["content"]} if message["content"] is not None else {}
+                            if message.get("tool_calls"):
+                                delta["tool_calls"] = [{"index": i, **call}
+                                                       for i, call in enumerate(message["tool_calls"])]
+                            yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
+                            yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                          "finish_reason": finish, "stop_reason": c.stop_reason}])
+                        continue
                     delta, t0, t1 = cursors[c.index].advance(c)
                     lp = _chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], req.top_logprobs or 0)
                     lp = lp if req.logprobs else None

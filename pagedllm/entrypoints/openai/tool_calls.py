@@ -1,0 +1,124 @@
+"""Tool calling in chat completions: what constrains the output for each tool_choice, and the parsers (named as
+vLLM's --tool-call-parser) that turn a reply into `message.tool_calls`.
+
+- tool_choice "none": the tools are rendered by the chat template, the reply is text.
+- "auto" (needs --enable-auto-tool-choice and a --tool-call-parser): the model decides; the parser finds the
+  calls in its text (hermes: <tool_call>{...}</tool_call> blocks; llama3_json: a JSON object
+  {"name": ..., "parameters": {...}}, several separated by ";").
+- "required": the reply is constrained (JSON schema grammar) to a non-empty array of
+  {"name": <a tool>, "parameters": <that tool's schema>}, so every call parses and validates (one call only
+  with parallel_tool_calls false).
+- a named function: the reply is constrained to that function's parameters schema.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pagedllm.errors import InvalidParameterError
+from pagedllm.structured_output import GuidedDecodingParams
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def to_openai(self, index: int | None = None) -> dict:
+        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+def _tool_schema(tool: dict) -> dict:
+    params = (tool.get("function") or {}).get("parameters")
+    return params if isinstance(params, dict) else {"type": "object"}
+
+
+def check_tools(tools: list[dict] | None, tool_choice) -> dict[str, dict]:
+    """name -> tool, after checking their shape and the choice against them (400s naming the field)."""
+    by_name: dict[str, dict] = {}
+    for k, tool in enumerate(tools or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidParameterError("tools", f"tools[{k}] must be {{\"type\": \"function\", \"function\": "
+                                                 f"{{\"name\": ..., \"parameters\": {{...}}}}}}")
+        by_name[fn["name"]] = tool
+    if isinstance(tool_choice, dict):
+        name = (tool_choice.get("function") or {}).get("name")
+        if name not in by_name:
+            raise InvalidParameterError("tool_choice", f"tool_choice names the function {name!r}, which is not "
+                                                       f"among the tools ({', '.join(by_name) or 'none'})")
+    elif tool_choice not in (None, "none", "auto", "required"):
+        raise InvalidParameterError("tool_choice", f"tool_choice must be none, auto, required or "
+                                                   f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}; "
+                                                   f"got {tool_choice!r}")
+    if tool_choice == "required" and not by_name:
+        raise InvalidParameterError("tool_choice", "tool_choice required needs tools")
+    return by_name
+
+
+def constraint_for(tools: dict[str, dict], tool_choice, parallel: bool = True) -> GuidedDecodingParams | None:
+    """The grammar a tool choice puts on the reply (None: free text); without `parallel` calls, one call."""
+    if isinstance(tool_choice, dict):
+        name = tool_choice["function"]["name"]
+        return GuidedDecodingParams(json=_tool_schema(tools[name]), param="tool_choice")
+    if tool_choice == "required":
+        items = [{"type": "object", "properties": {"name": {"const": name}, "parameters": _tool_schema(tool)},
+                  "required": ["name", "parameters"], "additionalProperties": False} for name, tool in tools.items()]
+        schema = {"type": "array", "minItems": 1, "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if not parallel:
+            schema["maxItems"] = 1
+        return GuidedDecodingParams(json=schema, param="tool_choice")
+    return None
+
+
+def calls_from_constrained(text: str, tool_choice) -> list[ToolCall]:
+    """The calls of a reply constrained by constraint_for (it parses: the grammar made it)."""
+    value = json.loads(text)
+    if isinstance(tool_choice, dict):
+        return [ToolCall(tool_choice["function"]["name"], json.dumps(value))]
+    return [ToolCall(item["name"], json.dumps(item["parameters"])) for item in value]
+
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content left, calls) of a free reply under tool_choice auto. Text that does not parse as a call stays
+    content."""
+    if parser == "hermes":
+        calls = []
+        for body in _HERMES.findall(text):
+            call = _call_of(body, "arguments")
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = _HERMES.sub("", text).strip() if calls else text
+        return (content or None) if calls else text, calls
+    if parser == "llama3_json":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, []
+        calls = [_call_of(part, "parameters") for part in body.split(";") if part.strip()]
+        if not calls or any(c is None for c in calls):
+            return text, []
+        return None, calls
+    raise ValueError(f"unknown tool call parser {parser!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
+
+
+def _call_of(body: str, arguments_key: str) -> ToolCall | None:
+    try:
+        value: Any = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    args = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
+    return ToolCall(value["name"], args if isinstance(args, str) else json.dumps(args))
