@@ -48,12 +48,13 @@ def test_bench_throughput_writes_json(tiny_models, tmp_path):
     out = tmp_path / "bench.json"
     res = run_cli("bench", "throughput", "--model", str(tiny_models["llama"]), "--dtype", "float32",
                   "--num-prompts", "6", "--input-len", "12", "--output-len", "5", "--ignore-eos",
-                  "--backend", "pagedllm", "--backend", "transformers", "--hf-batch-size", "2", "6",
-                  "--max-model-len", "64", "--output-json", str(out))
+                  "--backend", "pagedllm", "--backend", "pagedllm-json", "--backend", "transformers",
+                  "--hf-batch-size", "2", "6", "--max-model-len", "64", "--output-json", str(out))
     assert res.returncode == 0, res.stderr
     data = json.loads(out.read_text())
-    assert [r["backend"] for r in data["results"]] == ["pagedllm", "transformers", "transformers"]
-    assert [r["hf_batch_size"] for r in data["results"]] == [None, 2, 6]
+    assert [r["backend"] for r in data["results"]] == ["pagedllm", "pagedllm-json", "transformers", "transformers"]
+    assert [r["hf_batch_size"] for r in data["results"]] == [None, None, 2, 6]
+    assert "pagedllm / pagedllm-json" in res.stdout
     for r in data["results"]:
         assert r["output_tokens_per_second"] > 0
         assert r["requests_per_second"] * r["elapsed_s"] == pytest.approx(6)

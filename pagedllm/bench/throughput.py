@@ -77,14 +77,23 @@ def preemption_counts(llm) -> dict[str, int]:
             "prefix_cache_hit_tokens": cache.hits}
 
 
-def run_pagedllm(args, requests: list[BenchRequest], llm=None, report: dict | None = None) -> float:
-    """Seconds for the whole batch; `report` receives that run's preemption counts."""
+# `--backend pagedllm-json`'s default constraint: an array of integers, which never has to end (so with
+# --ignore-eos every step of every request is constrained, as long as the unconstrained run's).
+DEFAULT_JSON_SCHEMA = '{"type": "array", "items": {"type": "integer"}}'
+
+
+def run_pagedllm(args, requests: list[BenchRequest], llm=None, report: dict | None = None,
+                 json_schema: str | None = None) -> float:
+    """Seconds for the whole batch (each request constrained by `json_schema`, if given); `report` receives
+    that run's preemption counts."""
     from pagedllm import SamplingParams
+    from pagedllm.structured_output import GuidedDecodingParams
 
     llm = llm or make_llm(args)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=args.ignore_eos)
-              for r in requests]
+    guided = None if json_schema is None else GuidedDecodingParams(json=json_schema)
+    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=args.ignore_eos,
+                             guided_decoding=guided) for r in requests]
     # Warm-up on reversed prompts, so that it leaves nothing in the prefix cache the timed run could hit.
     warm_up = [{"prompt_token_ids": r.prompt_token_ids[::-1]} for r in requests[:2]]
     llm.generate(warm_up, [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False)
@@ -174,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="pagedllm bench throughput")
     add_engine_args(p)  # the engine flags, shared with serve / generate / plan (--seed seeds the data too)
-    p.add_argument("--backend", choices=["pagedllm", "transformers", "transformers-cb"], action="append",
-                   help="repeat to run several in one go (default: pagedllm)")
+    p.add_argument("--backend", choices=["pagedllm", "pagedllm-json", "transformers", "transformers-cb"],
+                   action="append", help="repeat to run several in one go (default: pagedllm); pagedllm-json: the "
+                                         "same engine with every request under --json-schema (structured outputs)")
+    p.add_argument("--json-schema", default=DEFAULT_JSON_SCHEMA, help="pagedllm-json's schema (JSON text)")
     p.add_argument("--dataset", default="random", help="'random', or a .jsonl / ShareGPT .json file")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -213,10 +224,21 @@ def main(argv: list[str] | None = None) -> int:
     in_tokens = sum(len(r.prompt_token_ids) for r in requests)
     out_tokens = sum(r.output_len for r in requests)
     results = []
+    engines = {}  # pagedllm and pagedllm-json share one engine
+
+    def engine():
+        if "llm" not in engines:
+            engines["llm"] = make_llm(args)
+        return engines["llm"]
+
     for backend in backends:
         preemptions: dict[str, int] = {}
-        runs = [("pagedllm", None, lambda p=preemptions: run_pagedllm(args, requests, report=p))
-                ] if backend == "pagedllm" else []
+        runs = []
+        if backend == "pagedllm":
+            runs = [("pagedllm", None, lambda p=preemptions: run_pagedllm(args, requests, engine(), report=p))]
+        elif backend == "pagedllm-json":
+            runs = [("pagedllm-json", None, lambda p=preemptions: run_pagedllm(args, requests, engine(), report=p,
+                                                                               json_schema=args.json_schema))]
         if backend == "transformers":
             model = _hf_model(args)
             runs = [("transformers", bs, lambda bs=bs, model=model: run_transformers(args, requests, bs, model))
@@ -235,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             label = name + (f" (batch {bs})" if bs else "")
             print(f"{label}: {r['requests_per_second']:.2f} requests/s, {r['total_tokens_per_second']:.1f} total "
                   f"tokens/s, {r['output_tokens_per_second']:.1f} output tokens/s ({elapsed:.1f} s)", flush=True)
-            if name == "pagedllm":
+            if name.startswith("pagedllm"):
                 r.update(preemptions)
                 print(f"pagedllm preemptions: {preemptions['swap_preemptions']} swap "
                       f"({preemptions['swapped_out_blocks']} blocks out, {preemptions['swapped_in_blocks']} in), "
