@@ -164,14 +164,23 @@ class Soak:
                     "requests": len(mem["requests"]), "num_waiting": mem["num_waiting"]}
 
 
-def summarize(outcomes: list[Outcome], minutes: int, rss: dict[int, float | None], window_s: float = 60.0
-              ) -> list[dict]:
+def _served(o: Outcome) -> bool:
+    """Answered as it should be: 200, or a 4xx for a deliberately bad request."""
+    return o.status == 200 or (o.kind in ("malformed", "oversize") and isinstance(o.status, int)
+                               and 400 <= o.status < 500)
+
+
+def summarize(outcomes: list[Outcome], minutes: int, rss: dict[int, float | None], window_s: float = 60.0,
+              first: int = 0) -> list[dict]:
+    """One row per window from `first` to `minutes` - 1 (one pass over the outcomes)."""
     rows = []
-    for m in range(minutes):
-        window = [o for o in outcomes if m * window_s <= o.end < (m + 1) * window_s]
-        ok = [o for o in window if o.status == 200 or (o.kind in ("malformed", "oversize") and
-                                                        isinstance(o.status, int) and 400 <= o.status < 500)]
-        errors = Counter(f"{o.kind}:{o.status}" for o in window if o not in ok)
+    by_window: dict[int, list[Outcome]] = {}
+    for o in outcomes:
+        by_window.setdefault(int(o.end // window_s), []).append(o)
+    for m in range(first, minutes):
+        window = by_window.get(m, [])
+        ok = [o for o in window if _served(o)]
+        errors = Counter(f"{o.kind}:{o.status}" for o in window if not _served(o))
         latencies = [o.latency for o in window if o.latency is not None]
         rows.append({"minute": m + 1, "requests": len(window), "served": len(ok),
                      "server_errors": sum(1 for o in window if isinstance(o.status, int) and o.status >= 500
@@ -216,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(max(0.0, soak.start + minute * args.window_seconds - time.monotonic()))
         rss[minute] = soak.server_rss()
         with soak.lock:
-            row = summarize(list(soak.outcomes), minute, rss, args.window_seconds)[-1]
+            recent = [o for o in soak.outcomes[-100_000:] if o.end >= (minute - 1) * args.window_seconds]
+        row = summarize(recent, minute, rss, args.window_seconds, first=minute - 1)[-1]
         print(f"minute {minute:>3}: {row['requests']:>6} requests, {row['served']:>6} served, 5xx "
               f"{row['server_errors']}, errors {row['errors'] or '-'}, p50 "
               f"{(row['p50_s'] or 0) * 1000:.0f} ms, p99 {(row['p99_s'] or 0) * 1000:.0f} ms, rss "
