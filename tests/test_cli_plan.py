@@ -133,11 +133,16 @@ def test_invalid_config_json_in_a_folder(capsys, tmp_path):
     assert_one_error_line(err, "config.json", "not a valid JSON")
 
 
-def test_missing_model_offline(capsys, monkeypatch):
+@pytest.mark.parametrize("model, says", [
+    ("/no/such/model/folder", "no such file or folder"),  # a path: never looked up on the hub
+    ("no-such-org/no-such-model", "HF_HUB_OFFLINE"),  # a hub id: not in the local cache, downloading off
+])
+def test_missing_model_offline(capsys, monkeypatch, tmp_path, model, says):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    code, out, err = run_main(capsys, "plan", "/no/such/model/folder", "--device-memory", "10GiB")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    code, out, err = run_main(capsys, "plan", model, "--device-memory", "10GiB")
     assert code == 2 and out == ""
-    assert_one_error_line(err, "/no/such/model/folder", "HF_HUB_OFFLINE")
+    assert_one_error_line(err, model, says, "llama-3.1-8b")
 
 
 @pytest.mark.parametrize("util", ["-0.5", "1.5", "0"])

@@ -106,6 +106,39 @@ def test_json_object_regex_and_choice_hold(client):
         assert r.choices[0].text in ("on", "off")
 
 
+def _strict_json(text: str):
+    """Parse as strict JSON: -Infinity / NaN (which Python's json writes and reads) are refused."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_masked_tokens_are_json_numbers(http, stream):
+    """Under a constraint most tokens have logprob -inf; the response must still be JSON (vLLM's -9999.0)."""
+    for path, body in (("/v1/completions", {"prompt": "hi", "logprobs": 5}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                                 "top_logprobs": 5})):
+        r = http.post(path, json={"model": "tiny", "max_tokens": 3, "temperature": 0, "stream": stream,
+                                  "guided_choice": ["on", "off"], **body})
+        assert r.status_code == 200, r.text
+        events = ([line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: {")] if stream
+                  else [r.text])
+        logprobs = [c["logprobs"] for e in events for c in _strict_json(e)["choices"] if c.get("logprobs")]
+        assert logprobs and -9999.0 in set(_floats(logprobs)), events
+
+
+def _floats(value):
+    if isinstance(value, float):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _floats(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _floats(v)
+
+
 @pytest.mark.parametrize("body, param", [
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_json": {"type": "nonsense-type"}}, "guided_json"),

@@ -265,6 +265,15 @@ def _completion_prompts(prompt) -> list:
     return [{"prompt_token_ids": p} for p in prompt]
 
 
+LOWEST_LOGPROB = -9999.0
+
+
+def _json_logprob(logprob: float) -> float:
+    """A logprob JSON can carry: a token masked out (structured outputs, logit_bias -100) has -inf, which is
+    not a JSON number; like vLLM, report it as -9999.0."""
+    return max(logprob, LOWEST_LOGPROB)
+
+
 def _completion_logprobs(entries, first_offset: int = 0) -> dict:
     """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -279,8 +288,8 @@ def _completion_logprobs(entries, first_offset: int = 0) -> dict:
         chosen = entry[token_id]
         text = chosen.decoded_token or ""
         tokens.append(text)
-        token_lps.append(chosen.logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
+        token_lps.append(_json_logprob(chosen.logprob))
+        tops.append({(lp.decoded_token or ""): _json_logprob(lp.logprob) for lp in entry.values()})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -381,7 +390,7 @@ def _chat_logprobs(token_ids: list[int], entries, top_n: int) -> dict:
 
         def item(lp):
             text = lp.decoded_token or ""
-            return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": _json_logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
         top = sorted(entry.values(), key=lambda lp: -lp.logprob)[:top_n]
         content.append(item(chosen) | {"top_logprobs": [item(lp) for lp in top]})
