@@ -1,7 +1,10 @@
-"""Shared pytest fixtures: tiny random-weight checkpoints for every supported architecture."""
+"""Shared pytest fixtures: tiny random-weight checkpoints for every supported architecture, and the demo
+model served as the README's first line serves it."""
 from __future__ import annotations
 
 import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,3 +25,22 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """arch -> folder of a tiny checkpoint (built once per test session, ~0.5 s each)."""
     root = tmp_path_factory.mktemp("tiny_models")
     return {arch: make_tiny_model(root / arch, arch) for arch in ARCHS}
+
+
+@dataclass
+class DemoServer:
+    url: str  # http://127.0.0.1:PORT
+    log_dir: Path  # its stdout and stderr
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory: pytest.TempPathFactory):
+    """`pagedllm serve` with no model (the demo model), on a free port; it must exit cleanly (status 0)."""
+    from tests.server.conftest import start_command
+
+    log_dir = tmp_path_factory.mktemp("demo_server")
+    proc, url = start_command(lambda port: [sys.executable, "-m", "pagedllm", "serve", "--port", str(port)],
+                              log_dir, deadline_polls=600)
+    yield DemoServer(url, log_dir)
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import start_command
-
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(r"^```(bash|python) runnable\n(.*?)^```", re.S | re.M)
 
@@ -28,19 +26,15 @@ def test_the_readme_has_runnable_blocks_and_names_what_the_repository_holds():
 
 
 @pytest.fixture(scope="module")
-def demo_server(tmp_path_factory):
-    """`pagedllm serve` as the README's first line runs it (the demo model), on a free port."""
-    proc, url = start_command(lambda port: [sys.executable, "-m", "pagedllm", "serve", "--port", str(port)],
-                              tmp_path_factory.mktemp("readme"), deadline_polls=600)
+def readme_env(demo_server):
+    """The server's address and an environment whose PATH finds this venv's `pagedllm` and `python`."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    yield url.removeprefix("http://"), env
-    proc.terminate()
-    assert proc.wait(timeout=60) == 0
+    return demo_server.url.removeprefix("http://"), env
 
 
 @pytest.mark.parametrize("index", range(len(runnable_blocks())))
-def test_a_runnable_readme_block_runs_as_written(demo_server, index):
-    address, env = demo_server
+def test_a_runnable_readme_block_runs_as_written(readme_env, index):
+    address, env = readme_env
     language, code = runnable_blocks()[index]
     code = code.replace("127.0.0.1:8000", address)
     cmd = ["bash", "-euo", "pipefail", "-c", code] if language == "bash" else [sys.executable, "-c", code]

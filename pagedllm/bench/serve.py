@@ -118,12 +118,14 @@ async def run_load(base_url: str, endpoint: str, model: str | None, prompts: lis
     bar = tqdm(total=len(prompts), desc="requests", disable=not show_progress)
 
     async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+        texts = await _chat_texts(client, base_url, headers, [ids for ids, _ in prompts]) if chat else []
+
         async def fire(i: int, ids: list[int], out_len: int) -> None:
             async with limit:
                 body = {"model": model, "max_tokens": out_len, "stream": True, "ignore_eos": ignore_eos,
                         "stream_options": {"include_usage": True}, "temperature": 0.0}
                 if chat:
-                    body["messages"] = [{"role": "user", "content": " ".join(f"w{t}" for t in ids)}]
+                    body["messages"] = [{"role": "user", "content": texts[i]}]
                 else:
                     body["prompt"] = ids
                 records[i].start = time.perf_counter()
@@ -140,6 +142,16 @@ async def run_load(base_url: str, endpoint: str, model: str | None, prompts: lis
         duration = time.perf_counter() - start
     bar.close()
     return records, duration
+
+
+async def _chat_texts(client, base_url: str, headers: dict, prompts: list[list[int]]) -> list[str]:
+    """A chat message is text: the random ids as the server's /detokenize writes them (about as many tokens
+    again, as vLLM's random dataset does), before the timed run; "w<id>" words where it has no /detokenize."""
+    texts = []
+    for ids in prompts:
+        r = await client.post(base_url.rstrip("/") + "/detokenize", json={"tokens": ids}, headers=headers)
+        texts.append(r.json()["prompt"] if r.status_code == 200 else " ".join(f"w{t}" for t in ids))
+    return texts
 
 
 def format_metrics(m: dict) -> str:
