@@ -7,6 +7,7 @@ GuidedDecodingParams has vLLM's field names (SamplingParams(guided_decoding=...)
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -15,7 +16,20 @@ from typing import Any
 
 from pagedllm.errors import InvalidParameterError
 
-_CACHE_SIZE = 256  # compiled grammars kept (xgrammar's compiler caches its own work too)
+DEFAULT_CACHE_MB = 512  # vLLM's default for VLLM_XGRAMMAR_CACHE_MB
+
+
+def grammar_cache_limit_bytes() -> int:
+    """The compiled grammars kept, in bytes: VLLM_XGRAMMAR_CACHE_MB as in vLLM (default 512 MiB). Least recently
+    used first out; a grammar needed again is compiled again."""
+    raw = os.environ.get("VLLM_XGRAMMAR_CACHE_MB", str(DEFAULT_CACHE_MB))
+    try:
+        mib = float(raw)
+    except ValueError:
+        raise ValueError(f"VLLM_XGRAMMAR_CACHE_MB must be a number of MiB, got {raw!r}") from None
+    if mib < 0:
+        raise ValueError(f"VLLM_XGRAMMAR_CACHE_MB must be >= 0, got {raw!r}")
+    return int(mib * 2**20)
 
 
 @dataclass(frozen=True)
@@ -63,9 +77,12 @@ class GrammarCompiler:
 
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads)
+        # xgrammar's own cache off: ours is the one that is bounded and measured.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
         self.vocab_size = vocab_size
+        self.cache_limit_bytes = grammar_cache_limit_bytes()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache_bytes = 0
         self._lock = threading.Lock()  # the server validates on its threads, the runner compiles on the engine's
         self._compile_times: list[float] = []  # seconds of each compile (cache miss) not yet taken by /metrics
 
@@ -94,9 +111,11 @@ class GrammarCompiler:
         with self._lock:
             if len(self._compile_times) < 10_000:
                 self._compile_times.append(time.perf_counter() - start)
-            self._cache[key] = compiled
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self._cache_bytes += compiled.memory_size_bytes
+            while self._cache_bytes > self.cache_limit_bytes and self._cache:
+                self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return compiled
 
     def take_compile_times(self) -> list[float]:
@@ -106,8 +125,8 @@ class GrammarCompiler:
 
     @property
     def cache_bytes(self) -> int:
-        """Memory the compiled grammars hold (xgrammar's compiler cache)."""
-        return int(self.compiler.get_cache_size_bytes())
+        """Memory the cached compiled grammars hold (at most cache_limit_bytes)."""
+        return self._cache_bytes
 
     def matcher(self, params: GuidedDecodingParams, output_token_ids: list[int]):
         """A matcher for the request, advanced over the tokens it has already generated (a request rebuilt

@@ -64,6 +64,7 @@ def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int,
         weight_bytes=lambda s: all_bytes(s.dtype, s.quantization) // s.tensor_parallel_size,
         layer_weight_bytes=lambda s: layer_bytes(s.dtype, s.quantization) // s.tensor_parallel_size,
         num_layers=hf_config.num_hidden_layers,
+        vocab_size=hf_config.vocab_size,
         activation_bytes=lambda s: int(estimate_activation_bytes(hf_config, s.dtype, s.max_num_batched_tokens,
                                                                  s.max_num_seqs, s.tensor_parallel_size)
                                        * (CUDA_ALLOCATOR_SHARE if device.startswith("cuda") else 1)),
@@ -115,6 +116,7 @@ def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSetting
         weight_bytes=weights,
         layer_weight_bytes=lambda s: layer_weight_bytes_from_config(hf_config, s.dtype, s.quantization),
         num_layers=hf_config.num_hidden_layers,
+        vocab_size=hf_config.vocab_size,
         activation_bytes=activations,
         overhead_bytes=lambda s: overhead_bytes + offload_mapping_bytes(device, s.cpu_offload_bytes)
         - offload_mapping_bytes(device, measured_at.cpu_offload_bytes),

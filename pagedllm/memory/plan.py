@@ -110,6 +110,7 @@ class ModelFacts:
     # graphs (the smaller ones share it) plus the null block padded rows write to. None: no graphs.
     graph_pool_bytes: Callable[[PlanSettings], int] | None = None
     graph_pool_source: str = "estimated"
+    vocab_size: int = 0  # the logits' width: the structured outputs' token bitmask has a bit per token
 
 
 @dataclass(frozen=True)
@@ -215,9 +216,16 @@ class MemoryPlan:
         return fn(s) + self.block_bytes
 
     @property
+    def bitmask_bytes(self) -> int:
+        """Structured outputs' token bitmask for a step with every sequence constrained: a 32-bit word per 32
+        tokens per row, filled on the host and copied to the device (both in this memory when they share it)."""
+        row = -(-self.model.vocab_size // 32) * 4
+        return self.settings.max_num_seqs * row * (2 if self.device.shares_host_memory else 1)
+
+    @property
     def non_kv_bytes(self) -> int:
         return (self.weight_bytes + self.activation_bytes + self.overhead_bytes + self.component_bytes
-                + self.graph_pool_bytes)
+                + self.graph_pool_bytes + self.bitmask_bytes)
 
     @property
     def component_bytes(self) -> int:
@@ -597,6 +605,7 @@ class MemoryPlan:
              m.activation_source),
             self._overhead_row(),
             *self._graph_rows(),
+            *self._bitmask_rows(),
             *self._component_rows(),
             ("left for the KV cache", fmt_bytes(self.kv_budget_bytes),
              "--kv-cache-memory" if s.kv_cache_memory_bytes is not None else ""),
@@ -660,6 +669,15 @@ class MemoryPlan:
         return [(f"CUDA graphs ({len(sizes)} decode sizes, up to {sizes[-1]} rows)", fmt_bytes(self.graph_pool_bytes),
                  f"{self.model.graph_pool_source}; --enforce-eager: none")]
 
+    def _bitmask_rows(self) -> list[tuple[str, str, str]]:
+        if not self.bitmask_bytes:
+            return []
+        from pagedllm.structured_output import grammar_cache_limit_bytes
+
+        return [(f"structured outputs bitmask ({self.settings.max_num_seqs} rows)", fmt_bytes(self.bitmask_bytes),
+                 f"compiled grammars: host memory, up to {fmt_bytes(grammar_cache_limit_bytes())} "
+                 "(VLLM_XGRAMMAR_CACHE_MB)")]
+
     def _component_rows(self) -> list[tuple[str, str, str]]:
         return [(f"{c.name} ({c.detail})" if c.detail else c.name, fmt_bytes(c.total_bytes),
                  f"weights {fmt_bytes(c.weight_bytes)} + peak {fmt_bytes(c.activation_bytes)}; {c.source}")
@@ -713,6 +731,7 @@ class MemoryPlan:
             "overhead_bytes": self.overhead_bytes,
             "cuda_graph_sizes": list(self.settings.cuda_graph_sizes),
             "cuda_graph_pool_bytes": self.graph_pool_bytes,
+            "structured_output_bitmask_bytes": self.bitmask_bytes,
             "components": [{"name": c.name, "weight_bytes": c.weight_bytes, "activation_peak_bytes": c.activation_bytes,
                             "source": c.source, "detail": c.detail} for c in self.components],
             "kv_cache_budget_bytes": self.kv_budget_bytes,

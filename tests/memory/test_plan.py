@@ -94,7 +94,7 @@ def test_seed_scenario_fails_because_of_memory_used_by_others():
     assert plan.seq_bytes == 224 * MiB
     assert plan.graph_pool_bytes > 0  # decode CUDA graphs (the seed's vLLM captured them too)
     assert plan.kv_budget_bytes == (plan.budget_bytes - 90 * GiB - plan.weight_bytes - plan.activation_bytes
-                                    - plan.overhead_bytes - plan.graph_pool_bytes) < 0
+                                    - plan.overhead_bytes - plan.graph_pool_bytes - plan.bitmask_bytes) < 0
     assert not plan.fits and plan.num_blocks == 0 and plan.kv_cache_bytes == 0
     cause = plan.cause
     assert "other processes" in cause and "90.00 GiB" in cause and "119.70 GiB unified memory" in cause
@@ -252,6 +252,7 @@ def test_plan_failing_on_activations_suggests_the_largest_max_num_batched_tokens
     # Size the device so that exactly 2000 tokens/step of activations fit next to one 2048 sequence.
     probe = preset_plan("llama-3.2-3b", max_model_len=2048, max_num_batched_tokens=2000)
     total = probe.weight_bytes + probe.overhead_bytes + probe.activation_bytes + probe.seq_bytes + probe.graph_pool_bytes
+    total += probe.bitmask_bytes
 
     def make(**changes):
         engine = {"model": "llama-3.2-3b", "max_model_len": 2048, "gpu_memory_utilization": 1.0, **changes}
@@ -486,11 +487,25 @@ def test_cuda_graph_pool_is_a_line_of_the_plan_and_enforce_eager_removes_it():
     assert cpu.graph_pool_bytes == 0  # no graphs on a CPU
 
 
+def test_structured_outputs_bitmask_is_a_line_of_the_plan():
+    """A bit per vocabulary token per sequence, in 32-bit words: on the device; on a CPU the host copy it is
+    filled in lives in the same memory, so twice."""
+    plan = preset_plan("qwen2.5-0.5b", max_model_len=4096)
+    row = -(-151936 // 32) * 4
+    assert plan.bitmask_bytes == 256 * row
+    line = next(l for l in plan.table().splitlines() if "structured outputs bitmask (256 rows)" in l)
+    assert "VLLM_XGRAMMAR_CACHE_MB" in line and "512.0 MiB" in line
+    assert plan.to_json()["structured_output_bitmask_bytes"] == plan.bitmask_bytes
+    assert preset_plan("qwen2.5-0.5b", max_model_len=4096, max_num_seqs=32).bitmask_bytes == 32 * row
+    cpu = dry_run_plan(EngineArgs(model="qwen2.5-0.5b", max_model_len=4096), device="cpu", device_memory="20GiB")
+    assert cpu.bitmask_bytes == 2 * 256 * row
+
+
 def test_enforce_eager_is_a_fix_when_the_graph_pool_tips_the_plan():
     make = lambda **kw: preset_plan("llama-3.1-8b", max_model_len=8192, device_memory=memory, **kw)  # noqa: E731
     base = preset_plan("llama-3.1-8b", max_model_len=8192)
     # A device where one sequence of max_model_len fits only without the graph pool.
-    needed = base.weight_bytes + base.activation_bytes + base.overhead_bytes + base.seq_bytes
+    needed = base.weight_bytes + base.activation_bytes + base.overhead_bytes + base.seq_bytes + base.bitmask_bytes
     memory = str(math.ceil((needed + base.graph_pool_bytes // 2) / 0.9))
     plan = make()
     assert not plan.fits and "the CUDA graphs of decode steps take" in plan.cause
