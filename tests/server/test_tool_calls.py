@@ -64,22 +64,28 @@ def test_a_named_function_is_called_with_arguments_that_validate(client):
         _check_calls(calls)
 
 
-def test_streamed_tool_calls_arrive_as_deltas(client):
-    stream = client.chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, tool_choice="required",
-                                            max_tokens=80, temperature=1.0, seed=11, stream=True,
-                                            parallel_tool_calls=False)
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_streamed_tool_calls_arrive_as_they_are_written(client, tool_choice):
+    """The name first (once), then the arguments in pieces as tokens come; joined, they are exactly the
+    arguments of the same request not streamed (same seed)."""
+    kwargs = dict(model="tiny", messages=[USER], tools=TOOLS, tool_choice=tool_choice, max_tokens=80,
+                  temperature=1.0, seed=11, parallel_tool_calls=False)
     calls: dict[int, dict] = {}
-    finish = None
-    for chunk in stream:
+    pieces, finish = 0, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
         for c in chunk.choices:
             for d in c.delta.tool_calls or []:
-                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry = calls.setdefault(d.index, {"name": "", "arguments": "", "ids": 0})
                 entry["name"] += d.function.name or ""
                 entry["arguments"] += d.function.arguments or ""
+                entry["ids"] += d.id is not None
+                pieces += bool(d.function.arguments)
             finish = c.finish_reason or finish
-    assert finish == "tool_calls" and calls
-    for entry in calls.values():
-        jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+    assert finish == ("tool_calls" if tool_choice == "required" else "stop") and len(calls) == 1
+    assert calls[0]["ids"] == 1 and pieces > 1, calls
+    jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS[calls[0]["name"]])
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    assert [(t.function.name, t.function.arguments) for t in whole] == [(calls[0]["name"], calls[0]["arguments"])]
 
 
 @pytest.mark.parametrize("body, param", [
@@ -111,3 +117,21 @@ def test_tool_call_parsers(parser, text, content, calls):
     got_content, got = parse_tool_calls(parser, text)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+def test_partial_calls_read_every_prefix_of_a_reply():
+    """Strings holding quotes, braces and brackets do not end a call early; each prefix's arguments are a
+    prefix of the final ones, and a call is complete exactly when its object closes."""
+    from pagedllm.entrypoints.openai.tool_calls import partial_calls
+
+    text = '[{"name": "add", "parameters": {"a": 1, "b": "x}\\"{["}}, {"name":"mul","parameters":{"c":[1,{"d":2}]}}]'
+    final = partial_calls(text, "required")
+    assert [(c.name, json.loads(c.arguments), c.complete) for c in final] == [
+        ("add", {"a": 1, "b": 'x}"{['}, True), ("mul", {"c": [1, {"d": 2}]}, True)]
+    for n in range(len(text)):
+        for got, want in zip(partial_calls(text[:n], "required"), final):
+            assert want.arguments.startswith(got.arguments) and got.name in (None, want.name)
+            assert got.complete == (got.arguments == want.arguments and got.arguments != "")
+    named = ' {"a": {"b": "}"}} '
+    assert [partial_calls(named[:n], {"function": {"name": "f"}})[0].complete for n in (9, 17, 18)] == [
+        False, False, True]

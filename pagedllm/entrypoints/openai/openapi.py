@@ -88,8 +88,18 @@ class ToolCallOut(BaseModel):
     function: FunctionCall
 
 
-class ToolCallDelta(ToolCallOut):
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # in the call's first piece only
+    arguments: str  # the next piece of the JSON text
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call (as OpenAI): the first has id, type and name; the rest only arguments."""
+
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatMessageOut(BaseModel):

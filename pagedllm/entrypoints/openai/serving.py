@@ -15,10 +15,12 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, Reques
 from pagedllm.entrypoints.openai.errors import APIError, error_body, param_of
 from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S
 from pagedllm.entrypoints.openai.tool_calls import (
+    ToolCall,
     calls_from_constrained,
     check_tools,
     constraint_for,
     parse_tool_calls,
+    partial_calls,
 )
 from pagedllm.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 from pagedllm.errors import InvalidParameterError, InvalidPromptError
@@ -431,6 +433,22 @@ class ToolUse:
         """The tools the chat template is given (none with tool_choice none, as vLLM by default)."""
         return list(self.tools.values()) if self.active else None
 
+    def call_deltas(self, c: CompletionOutput, sent: list[int]) -> list[dict]:
+        """`delta.tool_calls` for what a constrained reply wrote since the last chunk: a call once its name is
+        complete (id, type, name, empty arguments), then the new text of its arguments. `sent` holds the
+        characters of each call's arguments already sent (updated)."""
+        deltas = []
+        for k, call in enumerate(partial_calls(c.text, self.choice)):
+            if call.name is None:
+                break
+            if k == len(sent):
+                sent.append(0)
+                deltas.append(ToolCall(call.name, "").to_openai(index=k))
+            if len(call.arguments) > sent[k]:
+                deltas.append({"index": k, "function": {"arguments": call.arguments[sent[k]:]}})
+                sent[k] = len(call.arguments)
+        return deltas
+
     def reply(self, c: CompletionOutput) -> tuple[dict, str | None]:
         """(message, finish_reason) of a finished sample."""
         message = {"role": "assistant", "content": c.text}
@@ -522,6 +540,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
     async def events():
         cursors: dict[int, _TextCursor] = {}
+        streamed: dict[int, list[int]] = {}  # choice -> characters of each tool call's arguments sent
         final = None
         try:
             async for _, out in _merge(streams):
@@ -532,7 +551,16 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                         cursors[c.index] = _TextCursor(params.stop)
                         yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}])
-                    if tools.active:  # the reply is parsed whole: it is sent as one delta when complete
+                    if tools.constraint is not None:  # calls streamed as written: names, then arguments
+                        calls = tools.call_deltas(c, streamed.setdefault(c.index, []))
+                        if calls:
+                            yield chunk([{"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None,
+                                          "finish_reason": None}])
+                        if c.finished():
+                            yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
+                                          "finish_reason": tools.reply(c)[1], "stop_reason": c.stop_reason}])
+                        continue
+                    if tools.active:  # a free reply is parsed whole: it is sent as one delta when complete
                         if c.finished():
                             message, finish = tools.reply(c)
                             delta = {"content": message["content"]} if message["content"] is not None else {}

@@ -80,11 +80,9 @@ def constraint_for(tools: dict[str, dict], tool_choice, parallel: bool = True) -
 
 
 def calls_from_constrained(text: str, tool_choice) -> list[ToolCall]:
-    """The calls of a reply constrained by constraint_for (it parses: the grammar made it)."""
-    value = json.loads(text)
-    if isinstance(tool_choice, dict):
-        return [ToolCall(tool_choice["function"]["name"], json.dumps(value))]
-    return [ToolCall(item["name"], json.dumps(item["parameters"])) for item in value]
+    """The calls of a finished reply constrained by constraint_for (they parse: the grammar made them). The
+    arguments are the model's text, as streamed."""
+    return [ToolCall(call.name, call.arguments) for call in partial_calls(text, tool_choice)]
 
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -122,3 +120,91 @@ def _call_of(body: str, arguments_key: str) -> ToolCall | None:
         return None
     args = value.get(arguments_key, value.get("arguments", value.get("parameters", {})))
     return ToolCall(value["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+@dataclass
+class PartialCall:
+    """A call as far as a constrained reply has been written: its name once complete, its arguments' text so far."""
+
+    name: str | None
+    arguments: str
+    complete: bool
+
+
+def partial_calls(text: str, tool_choice) -> list[PartialCall]:
+    """The calls in the beginning of a reply constrained by constraint_for, read as it streams (the grammar
+    fixes the shape: a named function's reply is its arguments; "required" writes an array of
+    {"name": ..., "parameters": {...}})."""
+    if isinstance(tool_choice, dict):
+        end = _value_end(text, text.index("{")) if "{" in text else None
+        return [PartialCall(tool_choice["function"]["name"], text.strip() if end is None else text[:end].strip(),
+                            end is not None)]
+    calls: list[PartialCall] = []
+    depth, in_string, escaped, key_start, last_key = 0, False, False, -1, None
+    pending_key: str | None = None  # a key of an item object whose value comes next
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                string = text[key_start:i + 1]
+                if depth == 2 and pending_key == "name" and calls:
+                    calls[-1].name = json.loads(string)
+                    pending_key = None
+                elif depth == 2:
+                    last_key = json.loads(string)
+            i += 1
+            continue
+        if ch == '"':
+            in_string, key_start = True, i
+        elif ch == ":" and depth == 2:
+            pending_key, last_key = last_key, None
+            if pending_key == "parameters" and calls:
+                start = i + 1
+                while start < len(text) and text[start] in " \t\r\n":
+                    start += 1
+                if start >= len(text) or text[start] != "{":
+                    return calls
+                end = _value_end(text, start)
+                calls[-1].arguments = text[start:] if end is None else text[start:end]
+                if end is None:
+                    return calls
+                calls[-1].complete = True
+                pending_key, i = None, end
+                continue
+        elif ch in "[{":
+            depth += 1
+            if depth == 2:
+                calls.append(PartialCall(None, "", False))
+        elif ch in "]}":
+            depth -= 1
+        i += 1
+    return calls
+
+
+def _value_end(text: str, start: int) -> int | None:
+    """The index just past the JSON object or array opening at `start`; None while it is still open."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
