@@ -249,6 +249,49 @@ def test_chat_with_audio_output_through_the_openai_client(seed_url):
     assert r.usage.prompt_tokens > 40  # the reference clip's frames are part of the prompt
 
 
+def test_streamed_chat_audio_through_the_openai_client_is_the_whole_audio(seed_url):
+    """delta.audio chunks of base64 PCM16, read by the openai client's iterator; joined, the samples of the
+    non-streamed reply's WAV (within one 16-bit step: float rounding), whatever the chunking."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{seed_url}/v1", api_key="none")
+    common = dict(model=NAME, modalities=["text", "audio"], max_tokens=60, temperature=0.0,
+                  messages=[{"role": "user", "content": TEXT}])
+    whole = client.chat.completions.create(audio={"voice": None, "format": "wav"}, **common)
+    expected, _ = wav_samples(base64.b64decode(whole.choices[0].message.audio.data))
+    num_pieces = []
+    for chunking in ({}, {"audio_chunk_size": 2, "audio_chunk_overlap_size": 16}):
+        pieces, ids, transcripts, finish, usage = [], set(), [], None, None
+        for chunk in client.chat.completions.create(audio={"format": "pcm16"}, stream=True,
+                                                    stream_options={"include_usage": True}, extra_body=chunking,
+                                                    **common):
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                audio = c.delta.audio  # the client's own model of a streamed audio delta
+                if audio:
+                    pieces.append(base64.b64decode(audio.data))
+                    ids.add(audio.id)
+                    transcripts.append(audio.transcript)
+                finish = c.finish_reason or finish
+        streamed = np.frombuffer(b"".join(pieces), dtype="<i2")
+        assert streamed.shape == expected.shape and np.abs(streamed.astype(int) - expected).max() <= 1
+        assert len(ids) == 1 and transcripts[0] == TEXT and all(t is None for t in transcripts[1:])
+        assert finish == whole.choices[0].finish_reason and usage.completion_tokens == whole.usage.completion_tokens
+        num_pieces.append(len(pieces))
+    assert num_pieces[1] > num_pieces[0] >= 2, num_pieces  # smaller chunks: more of them
+
+
+def test_a_client_leaving_a_streamed_chat_frees_its_request(seed_url):
+    body = {"model": NAME, "modalities": ["text", "audio"], "audio": {"format": "pcm16"}, "stream": True,
+            "max_tokens": 1500, "temperature": 0.0, "messages": [{"role": "user", "content": TEXT}]}
+    with httpx.Client(base_url=seed_url, timeout=30) as client:
+        with httpx.stream("POST", f"{seed_url}/v1/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            assert next(line for line in lines if '"audio"' in line)  # audio is flowing
+        wait_until(lambda: kv_idle(client), "the streamed chat's blocks to be freed", attempts=50, interval_s=0.1)
+
+
 def test_bad_audio_inputs_get_a_400(seed_url):
     def chat(messages, **extra):
         body = {"model": NAME, "modalities": ["text", "audio"], "audio": {"format": "wav"}, "messages": messages}
@@ -272,7 +315,14 @@ def test_bad_audio_inputs_get_a_400(seed_url):
     assert "audio.format 'aac'" in error_of(chat([{"role": "user", "content": TEXT}], audio={"format": "aac"}))[
         "message"]
     assert error_of(chat([{"role": "user", "content": TEXT}], modalities=["text"]))["param"] == "modalities"
-    assert error_of(chat([{"role": "user", "content": TEXT}], stream=True))["param"] == "stream"
+    assert error_of(chat([{"role": "user", "content": TEXT}], stream=True))["param"] == "audio.format"  # wav
+    streamed = {"audio": {"format": "pcm16"}, "stream": True}
+    assert error_of(chat([{"role": "user", "content": TEXT}], n=2, **streamed))["param"] == "n"
+    assert error_of(chat([{"role": "user", "content": TEXT}], audio_chunk_size=0, **streamed))[
+        "param"] == "audio_chunk_size"
+    assert error_of(chat([{"role": "user", "content": TEXT}], audio_chunk_overlap_size=65, **streamed))[
+        "param"] == "audio_chunk_overlap_size"
+    assert error_of(speech(seed_url, input=TEXT, stream=True, audio_chunk_size=251))["param"] == "audio_chunk_size"
     assert httpx.get(f"{seed_url}/health").status_code == 200
 
 

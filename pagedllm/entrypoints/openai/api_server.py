@@ -186,7 +186,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                          **GENERATION})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         if serving_audio.wants_audio(body):
-            return JSONResponse(await serving_audio.create_audio_chat_completion(_audio(), body, raw))
+            return await respond(await serving_audio.create_audio_chat_completion(_audio(), body, raw))
         return await respond(await create_chat_completion(ctx, body, raw))
 
     def _audio() -> serving_audio.AudioServing:

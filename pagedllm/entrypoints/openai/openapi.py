@@ -126,10 +126,20 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ChatAudioDelta(BaseModel):
+    """A chunk of streamed audio: base64 16-bit PCM, mono, at the codec's rate (24 kHz for Higgs Audio v2)."""
+
+    id: str
+    data: str
+    transcript: str | None = None  # in the first chunk
+    expires_at: int | None = None  # in the first chunk
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
+    audio: ChatAudioDelta | None = None
 
 
 class ChatChunkChoice(BaseModel):

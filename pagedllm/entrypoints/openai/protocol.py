@@ -44,6 +44,8 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 # vLLM's default --max-logprobs. More than the vocabulary fails the engine step (torch.topk), and
 # with it every running request: such a request is refused before it reaches the engine.
 MAX_LOGPROBS = 20
+MAX_AUDIO_CHUNK_FRAMES = 250  # 10 s of audio at 25 frames/s in one streamed chunk
+MAX_AUDIO_OVERLAP_FRAMES = 64  # frames of context decoded each side of a chunk
 
 
 class StreamOptions(LenientModel):
@@ -198,7 +200,7 @@ class ChatAudioOutput(LenientModel):
     """OpenAI's `audio` of a chat request with modalities ["text", "audio"]: the voice and file format."""
 
     voice: str | None = None  # a --voice-presets-dir voice; None: the model's own choice
-    format: str = "wav"
+    format: str | None = None  # None: wav, or pcm16 when streamed
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -216,6 +218,9 @@ class ChatCompletionRequest(_SamplingRequest):
     # OpenAI's audio output: modalities ["text", "audio"] and the audio's voice and format.
     modalities: list[Literal["text", "audio"]] | None = None
     audio: ChatAudioOutput | None = None
+    # Streamed audio (as the reference server): frames per chunk, and frames of context decoded each side.
+    audio_chunk_size: int | None = Field(default=None, ge=1, le=MAX_AUDIO_CHUNK_FRAMES)
+    audio_chunk_overlap_size: int | None = Field(default=None, ge=0, le=MAX_AUDIO_OVERLAP_FRAMES)
     # OpenAI fields that do not change the answer: accepted at any value and ignored.
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -258,6 +263,8 @@ class SpeechRequest(LenientModel):
     top_k: int | None = Field(default=None, le=2**63 - 1)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     max_tokens: int | None = None  # generation steps (frames) at most
+    audio_chunk_size: int | None = Field(default=None, ge=1, le=MAX_AUDIO_CHUNK_FRAMES)
+    audio_chunk_overlap_size: int | None = Field(default=None, ge=0, le=MAX_AUDIO_OVERLAP_FRAMES)
 
 
 class TokenizeRequest(LenientModel):

@@ -40,18 +40,21 @@ from pagedllm.audio.prompt import (
     Turn,
     build_audio_prompt,
 )
-from pagedllm.audio.streaming import StreamingDecoder
+from pagedllm.audio.streaming import CHUNK_FRAMES, CONTEXT_FRAMES, StreamingDecoder
 from pagedllm.audio.tokenizer import AudioTokenizer
 from pagedllm.audio.voices import VoicePreset
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, SpeechRequest
 from pagedllm.entrypoints.openai.serving import (
     ServingContext,
+    _chunk_usage,
     _collect,
     _sampling_params,
+    _sse,
     _start,
     _usage,
     check_text,
+    stream_error,
 )
 from pagedllm.model_executor.audio_sampling import DelayPatternSpec
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -177,7 +180,7 @@ async def create_speech(a: AudioServing, req: SpeechRequest, raw: Request) -> Re
     stream = await a.generate(conversation, _speech_sampling_params(req), "speech")
     rate = a.tokenizer.sampling_rate
     if req.stream:
-        return StreamingResponse(_stream_audio(a, stream, fmt), media_type=content_type(fmt))
+        return StreamingResponse(_stream_audio(a, stream, fmt, _decoder(a, req)), media_type=content_type(fmt))
     (out,) = await _collect([stream], raw)
     _, codes = _codes_of(out)
     samples = await a.decode(codes)
@@ -185,20 +188,41 @@ async def create_speech(a: AudioServing, req: SpeechRequest, raw: Request) -> Re
                     headers={"x-audio-frames": str(len(codes))})
 
 
-async def _stream_audio(a: AudioServing, stream: AsyncIterator[RequestOutput], fmt: str) -> AsyncIterator[bytes]:
-    """A WAV header (wav), then 16-bit PCM chunks as frames are decoded. Leaving early (a client that
-    disconnects) closes the engine stream, which aborts the request."""
+def _decoder(a: AudioServing, req: ChatCompletionRequest | SpeechRequest) -> StreamingDecoder:
+    """The request's chunking: audio_chunk_size frames per chunk (at least), audio_chunk_overlap_size frames of
+    context decoded each side. With the default context (more than the codec's receptive field) the streamed
+    samples are those of one decode of all the frames."""
+    return StreamingDecoder(a.tokenizer.hop_length,
+                            chunk_frames=req.audio_chunk_size or CHUNK_FRAMES,
+                            context_frames=CONTEXT_FRAMES if req.audio_chunk_overlap_size is None
+                            else req.audio_chunk_overlap_size)
+
+
+async def _audio_chunks(a: AudioServing, stream: AsyncIterator[RequestOutput],
+                        decoder: StreamingDecoder) -> AsyncIterator[tuple[RequestOutput, list[bytes]]]:
+    """Each engine output with the 16-bit PCM chunks its frames completed (often none). Leaving early (a client
+    that disconnects) closes the engine stream, which aborts the request."""
     rate = a.tokenizer.sampling_rate
-    decoder = StreamingDecoder(a.tokenizer.hop_length)
-    if fmt == "wav":
-        yield wav_stream_header(rate)
     async with contextlib.aclosing(stream) as outputs:
         async for out in outputs:
             c, codes = _codes_of(out)
+            chunks = []
             while (window := decoder.next_window(len(codes), final=c.finished())) is not None:
                 samples = await a.decode(codes[window.start:window.stop])
                 decoder.commit(window)
-                yield to_pcm16(samples[window.keep_from:window.keep_to], rate)
+                chunks.append(to_pcm16(samples[window.keep_from:window.keep_to], rate))
+            yield out, chunks
+
+
+async def _stream_audio(a: AudioServing, stream: AsyncIterator[RequestOutput], fmt: str,
+                        decoder: StreamingDecoder) -> AsyncIterator[bytes]:
+    """A WAV header (wav), then 16-bit PCM chunks as frames are decoded."""
+    if fmt == "wav":
+        yield wav_stream_header(a.tokenizer.sampling_rate)
+    async with contextlib.aclosing(_audio_chunks(a, stream, decoder)) as chunks:
+        async for _, pcm in chunks:
+            for data in pcm:
+                yield data
 
 
 # -- POST /v1/chat/completions with modalities ["text", "audio"] ------------------------------------
@@ -213,12 +237,13 @@ def wants_audio(req: ChatCompletionRequest) -> bool:
     return "audio" in (req.modalities or []) or req.audio is not None or _num_input_audio(req) > 0
 
 
-async def create_audio_chat_completion(a: AudioServing, req: ChatCompletionRequest, raw: Request) -> dict:
+async def create_audio_chat_completion(a: AudioServing, req: ChatCompletionRequest,
+                                      raw: Request) -> dict | AsyncIterator[str]:
     model = a.ctx.model_name(req.model)
     if "audio" not in (req.modalities or []):
         raise APIError(400, "this model answers with audio: pass modalities [\"text\", \"audio\"] and audio "
                             "{voice, format}", "modalities")
-    for param, bad in (("stream", req.stream), ("n", req.n != 1), ("logprobs", req.logprobs),
+    for param, bad in (("n", req.n != 1), ("logprobs", req.logprobs),
                        ("tools", bool(req.tools)), ("echo", req.echo), ("stop", bool(req.stop)),
                        ("stop_token_ids", bool(req.stop_token_ids)), ("prompt_logprobs", req.prompt_logprobs),
                        ("chat_template", req.chat_template), ("add_generation_prompt", not req.add_generation_prompt),
@@ -226,25 +251,66 @@ async def create_audio_chat_completion(a: AudioServing, req: ChatCompletionReque
         if bad:
             raise APIError(400, f"{param} is not supported with audio output", param)
     audio = req.audio
-    fmt = _output_format(audio.format if audio is not None else "wav", "audio.format")
+    fmt = _output_format((audio.format if audio is not None else None) or ("pcm16" if req.stream else "wav"),
+                         "audio.format")
     voice = audio.voice if audio is not None else None
     a.check_limit(_num_input_audio(req) + (voice is not None), "messages")  # before encoding any of them
     system, turns = await _conversation(a, req)
     turns = await a.voice_turns(voice, "audio.voice") + turns
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling_params(a.ctx, req, max_tokens, None, None, "top_logprobs")
+    if req.stream and fmt != "pcm":
+        raise APIError(400, f"streamed audio is 16-bit PCM: audio.format must be pcm16, got {audio.format!r}",
+                       "audio.format")
     stream = await a.generate(Conversation(turns, system=system), params, "chatcmpl", req.cache_salt, req.priority)
+    created = int(time.time())
+    ids = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": created, "model": model}
+    audio_id, transcript = f"audio_{uuid.uuid4().hex}", turns[-1].text
+    if req.stream:
+        return _chat_audio_events(a, stream, _decoder(a, req), req, ids, audio_id, transcript)
     (out,) = await _collect([stream], raw)
     c, codes = _codes_of(out)
     samples = await a.decode(codes)
     data = base64.b64encode(write_audio(samples, a.tokenizer.sampling_rate, fmt)).decode("ascii")
-    created = int(time.time())
     message = {"role": "assistant", "content": None,
-               "audio": {"id": f"audio_{uuid.uuid4().hex}", "data": data, "expires_at": created + AUDIO_EXPIRES_S,
-                         "transcript": turns[-1].text}}
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created, "model": model,
+               "audio": {"id": audio_id, "data": data, "expires_at": created + AUDIO_EXPIRES_S,
+                         "transcript": transcript}}
+    return {"id": ids["id"], "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": c.finish_reason}],
             "usage": _usage([out])}
+
+
+async def _chat_audio_events(a: AudioServing, stream: AsyncIterator[RequestOutput], decoder: StreamingDecoder,
+                             req: ChatCompletionRequest, ids: dict, audio_id: str,
+                             transcript: str) -> AsyncIterator[str]:
+    """SSE chunks as the reference server sends them: `delta.audio` {id, data: base64 PCM16 at the codec's
+    rate, mono} per decoded chunk (the first also has the transcript and expires_at), then finish_reason, then
+    usage when asked for."""
+    usage_field = _chunk_usage(req.stream_options)
+
+    def chunk(delta: dict, out: RequestOutput | None, finish: str | None = None) -> str:
+        return _sse({"object": "chat.completion.chunk", **ids,
+                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+                    | usage_field(out))
+
+    yield chunk({"role": "assistant", "content": None}, None)
+    final, first = None, True
+    try:
+        async with contextlib.aclosing(_audio_chunks(a, stream, decoder)) as chunks:
+            async for out, pcm in chunks:
+                final = out
+                for data in pcm:
+                    audio = {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}
+                    if first:
+                        audio |= {"transcript": transcript, "expires_at": ids["created"] + AUDIO_EXPIRES_S}
+                        first = False
+                    yield chunk({"audio": audio}, out)
+        yield chunk({}, final, final.outputs[0].finish_reason)
+        if req.stream_options and req.stream_options.include_usage:
+            yield _sse({"object": "chat.completion.chunk", **ids, "choices": [], "usage": _usage([final])})
+    except Exception as e:
+        yield _sse(stream_error(e))
+    yield _sse("[DONE]")
 
 
 async def _conversation(a: AudioServing, req: ChatCompletionRequest) -> tuple[str, list[Turn]]:
