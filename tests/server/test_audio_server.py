@@ -229,6 +229,47 @@ def test_concurrent_speech_requests_run_in_one_batch(seed_url):
     assert multi_step_count() - before >= 10  # steps that advanced several speech requests at once
 
 
+def test_sixteen_concurrent_speech_streams_all_complete_with_their_length(seed_url):
+    """Each stream's PCM is as long as the same request's whole file (frames x 960 samples)."""
+    body = {"temperature": 0.0, "max_tokens": 40, "response_format": "pcm"}
+    whole = speech(seed_url, input="Sentence number 0.", **body)
+    frames = int(whole.headers["x-audio-frames"])
+    lengths: dict[int, int] = {}
+
+    def stream(i: int) -> None:
+        with httpx.stream("POST", f"{seed_url}/v1/audio/speech", timeout=300,
+                          json={"input": f"Sentence number {i}.", "stream": True, **body}) as r:
+            lengths[i] = len(b"".join(r.iter_bytes())) if r.status_code == 200 else -r.status_code
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert frames > 0 and len(whole.content) == frames * 960 * 2
+    assert lengths == {i: frames * 960 * 2 for i in range(16)}
+
+
+def test_a_seed_gives_the_same_audio_alone_and_in_a_batch(seed_url):
+    """Sampling at temperature 1 with a seed: the same codes whether the request runs alone or beside others."""
+    body = {"input": TEXT, "temperature": 1.0, "seed": 1234, "max_tokens": 30, "response_format": "pcm"}
+    alone = speech(seed_url, **body).content
+    results: dict[str, bytes] = {}
+
+    def run(name: str, **extra) -> None:
+        results[name] = speech(seed_url, **{**body, **extra}).content
+
+    threads = [threading.Thread(target=run, args=("seeded",))] + [
+        threading.Thread(target=run, args=(f"other{i}",), kwargs={"input": f"Other text {i}.", "seed": i})
+        for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(alone) > 0 and results["seeded"] == alone
+    assert speech(seed_url, **{**body, "seed": 4321}).content != alone  # the seed is what fixes it
+
+
 def test_chat_with_audio_output_through_the_openai_client(seed_url):
     from openai import OpenAI
 
