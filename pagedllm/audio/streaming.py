@@ -8,10 +8,14 @@ more have arrived (or the audio has ended), so the streamed samples equal one de
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 CONTEXT_FRAMES = 16  # frames of context each side: more than the decoder's receptive field
 CHUNK_FRAMES = 10  # 0.4 s at 25 frames/s: how much audio one streamed chunk carries at least
+SILENCE_DBFS = -50.0  # a frame whose RMS is below this (dB of full scale) is near-silence
 
 
 @dataclass(frozen=True)
@@ -46,3 +50,23 @@ class StreamingDecoder:
 
     def commit(self, window: DecodeWindow) -> None:
         self.emitted = window.emits_to
+
+
+@dataclass
+class SilenceStop:
+    """Ends audio that runs on in near-silence: once `frames` frames in a row have an RMS below SILENCE_DBFS,
+    the audio ends with the last of them. Fed the decoded samples in order, whole frames of `hop_length`."""
+
+    frames: int
+    hop_length: int
+    run: int = 0  # silent frames in a row at the end of what was fed
+
+    def feed(self, samples: np.ndarray) -> int | None:
+        """None: go on; else how many of these samples to keep (the audio ends there)."""
+        threshold = 10 ** (SILENCE_DBFS / 20)
+        for k in range(len(samples) // self.hop_length):
+            frame = samples[k * self.hop_length:(k + 1) * self.hop_length].astype(np.float64)
+            self.run = self.run + 1 if math.sqrt(float(np.mean(frame * frame))) < threshold else 0
+            if self.run >= self.frames:
+                return (k + 1) * self.hop_length
+        return None

@@ -45,3 +45,14 @@ def test_cache_size_and_flags_that_need_a_codec():
     assert config.mm_cache_bytes == gib_to_bytes(0.5) and config.enabled
     with pytest.raises(ValueError, match="--limit-mm-per-prompt, --voice-presets-dir need an audio model's codec"):
         audio_server_config(parser.parse_args(["--limit-mm-per-prompt", "audio=1", "--voice-presets-dir", "v"]))
+
+
+def test_the_silence_stop_flag():
+    parser = build_parser()
+    assert audio_server_config(parser.parse_args(["--audio-tokenizer-path", "p"])).stop_after_silence_frames is None
+    config = audio_server_config(parser.parse_args(["--audio-tokenizer-path", "p", "--stop-after-silence-frames", "50"]))
+    assert config.stop_after_silence_frames == 50
+    with pytest.raises(ValueError, match="--stop-after-silence-frames must be >= 1, got 0"):
+        audio_server_config(parser.parse_args(["--audio-tokenizer-path", "p", "--stop-after-silence-frames", "0"]))
+    with pytest.raises(ValueError, match="--stop-after-silence-frames need an audio model's codec"):
+        audio_server_config(parser.parse_args(["--stop-after-silence-frames", "5"]))

@@ -6,6 +6,7 @@
     --mm-processor-cache-gb GIB        size of the cache of encoded reference audio (vLLM's default 4)
     --disable-mm-preprocessor-cache    no such cache
     --voice-presets-dir DIR            voices: NAME.wav (or .flac, .mp3, .ogg) + NAME.txt (its transcript)
+    --stop-after-silence-frames N      end audio after N frames in a row of near-silence (default: off)
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class AudioServerConfig:
     limit_audio_per_prompt: int | None = None  # None: no limit
     mm_cache_bytes: int = 0  # 0: no cache of encoded reference audio
     voice_presets_dir: str | None = None
+    stop_after_silence_frames: int | None = None  # None: off (a request may still ask)
 
     @property
     def enabled(self) -> bool:
@@ -53,6 +55,9 @@ def add_audio_server_args(parser: argparse.ArgumentParser) -> None:
                    help="encode reference audio every time (no cache)")
     g.add_argument("--voice-presets-dir", default=None, metavar="DIR",
                    help="voices for /v1/audio/speech and chat audio: NAME.wav (.flac, .mp3, .ogg) + NAME.txt transcript")
+    g.add_argument("--stop-after-silence-frames", type=int, default=None, metavar="N",
+                   help="end generated audio after N frames in a row of near-silence (RMS below -50 dBFS), for "
+                        "models that run on; a request's stop_after_silence_frames overrides it (default: off)")
 
 
 def parse_limit_mm_per_prompt(value: str) -> dict[str, int]:
@@ -85,11 +90,15 @@ def audio_server_config(ns: argparse.Namespace) -> AudioServerConfig:
     if ns.mm_processor_cache_gb < 0:
         raise ValueError(f"--mm-processor-cache-gb must be >= 0, got {ns.mm_processor_cache_gb}")
     cache_bytes = 0 if ns.disable_mm_preprocessor_cache else gib_to_bytes(ns.mm_processor_cache_gb)
+    silence = getattr(ns, "stop_after_silence_frames", None)
+    if silence is not None and silence < 1:
+        raise ValueError(f"--stop-after-silence-frames must be >= 1, got {silence}")
     config = AudioServerConfig(ns.audio_tokenizer_type, ns.audio_tokenizer_path, limits.get("audio"), cache_bytes,
-                               ns.voice_presets_dir)
+                               ns.voice_presets_dir, silence)
     if not config.enabled:
         used = [flag for flag, set_ in (("--limit-mm-per-prompt", ns.limit_mm_per_prompt is not None),
-                                        ("--voice-presets-dir", ns.voice_presets_dir is not None)) if set_]
+                                        ("--voice-presets-dir", ns.voice_presets_dir is not None),
+                                        ("--stop-after-silence-frames", silence is not None)) if set_]
         if used:
             raise ValueError(f"{', '.join(used)} need an audio model's codec: pass --audio-tokenizer-type")
     return config

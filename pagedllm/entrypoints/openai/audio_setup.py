@@ -60,4 +60,5 @@ def create_audio_serving(engine: AsyncLLMEngine, ctx: ServingContext, audio: Aud
                 codec.name, codec.num_codebooks, codec.sampling_rate, codec.frame_rate, len(voices),
                 f"{audio.mm_cache_bytes} bytes" if cache is not None else "off",
                 audio.limit_audio_per_prompt if audio.limit_audio_per_prompt is not None else "none")
-    return AudioServing(ctx, codec, llm_engine.tokenizer, spec, voices, cache, audio.limit_audio_per_prompt)
+    return AudioServing(ctx, codec, llm_engine.tokenizer, spec, voices, cache, audio.limit_audio_per_prompt,
+                        stop_after_silence_frames=audio.stop_after_silence_frames)

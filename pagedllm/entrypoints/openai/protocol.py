@@ -46,6 +46,7 @@ NonEmptyStr = Annotated[str, Field(min_length=1)]
 MAX_LOGPROBS = 20
 MAX_AUDIO_CHUNK_FRAMES = 250  # 10 s of audio at 25 frames/s in one streamed chunk
 MAX_AUDIO_OVERLAP_FRAMES = 64  # frames of context decoded each side of a chunk
+MAX_SILENCE_FRAMES = 1500  # a minute at 25 frames/s
 
 
 class StreamOptions(LenientModel):
@@ -221,6 +222,8 @@ class ChatCompletionRequest(_SamplingRequest):
     # Streamed audio (as the reference server): frames per chunk, and frames of context decoded each side.
     audio_chunk_size: int | None = Field(default=None, ge=1, le=MAX_AUDIO_CHUNK_FRAMES)
     audio_chunk_overlap_size: int | None = Field(default=None, ge=0, le=MAX_AUDIO_OVERLAP_FRAMES)
+    # End audio after this many frames in a row of near-silence (0: off; None: the server's flag).
+    stop_after_silence_frames: int | None = Field(default=None, ge=0, le=MAX_SILENCE_FRAMES)
     # OpenAI fields that do not change the answer: accepted at any value and ignored.
     store: bool | None = None
     metadata: dict[str, Any] | None = None
@@ -265,6 +268,8 @@ class SpeechRequest(LenientModel):
     max_tokens: int | None = None  # generation steps (frames) at most
     audio_chunk_size: int | None = Field(default=None, ge=1, le=MAX_AUDIO_CHUNK_FRAMES)
     audio_chunk_overlap_size: int | None = Field(default=None, ge=0, le=MAX_AUDIO_OVERLAP_FRAMES)
+    # End audio after this many frames in a row of near-silence (0: off; None: the server's flag).
+    stop_after_silence_frames: int | None = Field(default=None, ge=0, le=MAX_SILENCE_FRAMES)
 
 
 class TokenizeRequest(LenientModel):

@@ -196,7 +196,12 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]], raw: Request) ->
             last = out
         return last
 
-    work = asyncio.ensure_future(asyncio.gather(*(final(s) for s in streams)))
+    return await unless_disconnected(asyncio.gather(*(final(s) for s in streams)), raw)
+
+
+async def unless_disconnected(awaitable, raw: Request):
+    """The awaitable's result; a client disconnect first cancels it (aborting its requests): 499."""
+    work = asyncio.ensure_future(awaitable)
     watcher = asyncio.ensure_future(_until_disconnect(raw))
     try:
         await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)

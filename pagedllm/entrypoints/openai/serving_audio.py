@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -40,7 +41,7 @@ from pagedllm.audio.prompt import (
     Turn,
     build_audio_prompt,
 )
-from pagedllm.audio.streaming import CHUNK_FRAMES, CONTEXT_FRAMES, StreamingDecoder
+from pagedllm.audio.streaming import CHUNK_FRAMES, CONTEXT_FRAMES, SilenceStop, StreamingDecoder
 from pagedllm.audio.tokenizer import AudioTokenizer
 from pagedllm.audio.voices import VoicePreset
 from pagedllm.entrypoints.openai.errors import APIError
@@ -55,6 +56,7 @@ from pagedllm.entrypoints.openai.serving import (
     _usage,
     check_text,
     stream_error,
+    unless_disconnected,
 )
 from pagedllm.model_executor.audio_sampling import DelayPatternSpec
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -77,6 +79,7 @@ class AudioServing:
     cache: EncodedAudioCache | None = None
     limit_audio: int | None = None
     on_cache_lookup: Callable[[bool], None] | None = None  # metrics: called with hit=True/False
+    stop_after_silence_frames: int | None = None  # --stop-after-silence-frames (None: off unless asked)
 
     def __post_init__(self) -> None:
         self._codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-codec")
@@ -179,13 +182,14 @@ async def create_speech(a: AudioServing, req: SpeechRequest, raw: Request) -> Re
     conversation = Conversation(turns + [Turn("user", req.input)], scene=scene)
     stream = await a.generate(conversation, _speech_sampling_params(req), "speech")
     rate = a.tokenizer.sampling_rate
+    decoder, silence = _decoder(a, req), _silence_stop(a, req)
     if req.stream:
-        return StreamingResponse(_stream_audio(a, stream, fmt, _decoder(a, req)), media_type=content_type(fmt))
-    (out,) = await _collect([stream], raw)
-    _, codes = _codes_of(out)
-    samples = await a.decode(codes)
+        return StreamingResponse(_stream_audio(a, stream, fmt, decoder, silence), media_type=content_type(fmt))
+    out, samples, silent = await _whole_audio(a, stream, decoder, silence, raw)
+    frames = len(samples) // a.tokenizer.hop_length if silent else len(_codes_of(out)[1])
     return Response(write_audio(samples, rate, fmt), media_type=content_type(fmt),
-                    headers={"x-audio-frames": str(len(codes))})
+                    headers={"x-audio-frames": str(frames)}
+                    | ({"x-audio-finish-reason": "silence"} if silent else {}))
 
 
 def _decoder(a: AudioServing, req: ChatCompletionRequest | SpeechRequest) -> StreamingDecoder:
@@ -198,11 +202,18 @@ def _decoder(a: AudioServing, req: ChatCompletionRequest | SpeechRequest) -> Str
                             else req.audio_chunk_overlap_size)
 
 
-async def _audio_chunks(a: AudioServing, stream: AsyncIterator[RequestOutput],
-                        decoder: StreamingDecoder) -> AsyncIterator[tuple[RequestOutput, list[bytes]]]:
-    """Each engine output with the 16-bit PCM chunks its frames completed (often none). Leaving early (a client
-    that disconnects) closes the engine stream, which aborts the request."""
-    rate = a.tokenizer.sampling_rate
+def _silence_stop(a: AudioServing, req: ChatCompletionRequest | SpeechRequest) -> SilenceStop | None:
+    """The request's stop_after_silence_frames (0: off), else the server's flag."""
+    frames = req.stop_after_silence_frames
+    frames = a.stop_after_silence_frames if frames is None else frames
+    return SilenceStop(frames, a.tokenizer.hop_length) if frames else None
+
+
+async def _audio_chunks(a: AudioServing, stream: AsyncIterator[RequestOutput], decoder: StreamingDecoder,
+                        silence: SilenceStop | None = None) -> AsyncIterator[tuple[RequestOutput, list, bool]]:
+    """Each engine output with the float samples of the chunks its frames completed (often none), and whether
+    the silence stop ended the audio (the last item then). Ending early (the silence stop, or a client that
+    disconnects) closes the engine stream, which aborts the request."""
     async with contextlib.aclosing(stream) as outputs:
         async for out in outputs:
             c, codes = _codes_of(out)
@@ -210,19 +221,45 @@ async def _audio_chunks(a: AudioServing, stream: AsyncIterator[RequestOutput],
             while (window := decoder.next_window(len(codes), final=c.finished())) is not None:
                 samples = await a.decode(codes[window.start:window.stop])
                 decoder.commit(window)
-                chunks.append(to_pcm16(samples[window.keep_from:window.keep_to], rate))
-            yield out, chunks
+                chunk = samples[window.keep_from:window.keep_to]
+                keep = silence.feed(chunk) if silence is not None else None
+                if keep is not None:
+                    chunks.append(chunk[:keep])
+                    yield out, chunks, True
+                    return
+                chunks.append(chunk)
+            yield out, chunks, False
 
 
 async def _stream_audio(a: AudioServing, stream: AsyncIterator[RequestOutput], fmt: str,
-                        decoder: StreamingDecoder) -> AsyncIterator[bytes]:
+                        decoder: StreamingDecoder, silence: SilenceStop | None) -> AsyncIterator[bytes]:
     """A WAV header (wav), then 16-bit PCM chunks as frames are decoded."""
+    rate = a.tokenizer.sampling_rate
     if fmt == "wav":
-        yield wav_stream_header(a.tokenizer.sampling_rate)
-    async with contextlib.aclosing(_audio_chunks(a, stream, decoder)) as chunks:
-        async for _, pcm in chunks:
-            for data in pcm:
-                yield data
+        yield wav_stream_header(rate)
+    async with contextlib.aclosing(_audio_chunks(a, stream, decoder, silence)) as chunks:
+        async for _, samples, _ in chunks:
+            for chunk in samples:
+                yield to_pcm16(chunk, rate)
+
+
+async def _whole_audio(a: AudioServing, stream: AsyncIterator[RequestOutput], decoder: StreamingDecoder,
+                       silence: SilenceStop | None, raw: Request) -> tuple[RequestOutput, np.ndarray, bool]:
+    """(final output, samples, ended by the silence stop) of a request answered whole. Without a silence stop
+    the codes are decoded once at the end; with one, chunk by chunk as they come (to hear the silence)."""
+    if silence is None:
+        (out,) = await _collect([stream], raw)
+        return out, await a.decode(_codes_of(out)[1]), False
+
+    async def run():
+        parts, last, stopped = [], None, False
+        async with contextlib.aclosing(_audio_chunks(a, stream, decoder, silence)) as chunks:
+            async for out, samples, stopped in chunks:
+                parts += samples
+                last = out
+        return last, np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32), stopped
+
+    return await unless_disconnected(run(), raw)
 
 
 # -- POST /v1/chat/completions with modalities ["text", "audio"] ------------------------------------
@@ -266,22 +303,22 @@ async def create_audio_chat_completion(a: AudioServing, req: ChatCompletionReque
     created = int(time.time())
     ids = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": created, "model": model}
     audio_id, transcript = f"audio_{uuid.uuid4().hex}", turns[-1].text
+    decoder, silence = _decoder(a, req), _silence_stop(a, req)
     if req.stream:
-        return _chat_audio_events(a, stream, _decoder(a, req), req, ids, audio_id, transcript)
-    (out,) = await _collect([stream], raw)
-    c, codes = _codes_of(out)
-    samples = await a.decode(codes)
+        return _chat_audio_events(a, stream, decoder, silence, req, ids, audio_id, transcript)
+    out, samples, silent = await _whole_audio(a, stream, decoder, silence, raw)
     data = base64.b64encode(write_audio(samples, a.tokenizer.sampling_rate, fmt)).decode("ascii")
     message = {"role": "assistant", "content": None,
                "audio": {"id": audio_id, "data": data, "expires_at": created + AUDIO_EXPIRES_S,
                          "transcript": transcript}}
     return {"id": ids["id"], "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": c.finish_reason}],
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": "stop" if silent else out.outputs[0].finish_reason}],
             "usage": _usage([out])}
 
 
 async def _chat_audio_events(a: AudioServing, stream: AsyncIterator[RequestOutput], decoder: StreamingDecoder,
-                             req: ChatCompletionRequest, ids: dict, audio_id: str,
+                             silence: SilenceStop | None, req: ChatCompletionRequest, ids: dict, audio_id: str,
                              transcript: str) -> AsyncIterator[str]:
     """SSE chunks as the reference server sends them: `delta.audio` {id, data: base64 PCM16 at the codec's
     rate, mono} per decoded chunk (the first also has the transcript and expires_at), then finish_reason, then
@@ -294,18 +331,20 @@ async def _chat_audio_events(a: AudioServing, stream: AsyncIterator[RequestOutpu
                     | usage_field(out))
 
     yield chunk({"role": "assistant", "content": None}, None)
-    final, first = None, True
+    final, first, silent = None, True, False
+    rate = a.tokenizer.sampling_rate
     try:
-        async with contextlib.aclosing(_audio_chunks(a, stream, decoder)) as chunks:
-            async for out, pcm in chunks:
+        async with contextlib.aclosing(_audio_chunks(a, stream, decoder, silence)) as chunks:
+            async for out, samples, silent in chunks:
                 final = out
-                for data in pcm:
+                for chunk_samples in samples:
+                    data = to_pcm16(chunk_samples, rate)
                     audio = {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}
                     if first:
                         audio |= {"transcript": transcript, "expires_at": ids["created"] + AUDIO_EXPIRES_S}
                         first = False
                     yield chunk({"audio": audio}, out)
-        yield chunk({}, final, final.outputs[0].finish_reason)
+        yield chunk({}, final, "stop" if silent else final.outputs[0].finish_reason)
         if req.stream_options and req.stream_options.include_usage:
             yield _sse({"object": "chat.completion.chunk", **ids, "choices": [], "usage": _usage([final])})
     except Exception as e:
