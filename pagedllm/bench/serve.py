@@ -132,16 +132,22 @@ async def run_load(base_url: str, endpoint: str, model: str | None, prompts: lis
                 await _one(client, base_url.rstrip("/") + endpoint, body, headers, records[i], chat)
                 bar.update(1)
 
-        start = time.perf_counter()
-        tasks = []
-        for i, (ids, out_len) in enumerate(prompts):
-            tasks.append(asyncio.create_task(fire(i, ids, out_len)))
-            if request_rate != float("inf") and i < len(prompts) - 1:
-                await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals
-        await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        duration = await send_all([lambda i=i, p=p: fire(i, *p) for i, p in enumerate(prompts)], request_rate, rng)
     bar.close()
     return records, duration
+
+
+async def send_all(requests: list, request_rate: float, rng: random.Random) -> float:
+    """Start each request (a coroutine function) in order, all at once or at Poisson arrivals of
+    `request_rate` per second; wait for all; return the seconds from the first start to the last end."""
+    start = time.perf_counter()
+    tasks = []
+    for i, request in enumerate(requests):
+        tasks.append(asyncio.create_task(request()))
+        if request_rate != float("inf") and i < len(requests) - 1:
+            await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals
+    await asyncio.gather(*tasks)
+    return time.perf_counter() - start
 
 
 async def _chat_texts(client, base_url: str, headers: dict, prompts: list[list[int]]) -> list[str]:
@@ -188,7 +194,10 @@ def prefix_cache_counts(base_url: str) -> tuple[float, float] | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedllm bench serve")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions", "speech", "chat-audio"],
+                   help="speech: /v1/audio/speech streamed; chat-audio: chat completions streaming delta.audio "
+                        "(--random-input-len words of text, --random-output-len frames at most)")
     p.add_argument("--model", default=None, help="served model name (default: the server's first)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--dataset-name", default="random", choices=["random"])
@@ -204,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompts' seed (default: a fresh one per run, printed; a repeated seed repeats the prompts, "
                         "which the server's prefix cache then serves)")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--voice", default=None, help="speech endpoints: a voice of the server's --voice-presets-dir")
+    p.add_argument("--audio-chunk-size", type=int, default=None, help="speech endpoints: frames per streamed chunk")
     args = p.parse_args(argv)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(2**31)
@@ -214,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+
+    if args.endpoint in ("speech", "chat-audio"):
+        from pagedllm.bench.speech import run_speech_bench
+
+        return run_speech_bench(args)
 
     import httpx
 

@@ -455,3 +455,22 @@ def _wav_bytes(samples: np.ndarray, rate: int = 24000) -> bytes:
     buf = io.BytesIO()
     sf.write(buf, samples, rate, format="WAV", subtype="PCM_16")
     return buf.getvalue()
+
+
+@pytest.mark.parametrize("endpoint", ["speech", "chat-audio"])
+def test_bench_serve_loads_the_speech_endpoints(seed_url, endpoint, tmp_path):
+    """`pagedllm bench serve --endpoint speech|chat-audio`: every request streams audio; the report's audio
+    seconds are the samples received; TTFA comes before the request's end (RTF > 0)."""
+    import json
+
+    from pagedllm.bench.serve import main as bench_serve
+
+    out = tmp_path / "speech.json"
+    code = bench_serve(["--base-url", seed_url, "--endpoint", endpoint, "--num-prompts", "4", "--max-concurrency",
+                        "2", "--random-input-len", "5", "--random-output-len", "30", "--seed", "3",
+                        "--audio-chunk-size", "4", "--output-json", str(out)])
+    m = json.loads(out.read_text())["metrics"]
+    assert code == 0 and m["completed"] == 4 and m["failed"] == 0
+    assert 0 < m["audio_seconds"] <= 4 * 30 * 960 / 24000  # at most max_tokens frames each
+    assert 0 < m["median_ttfa_ms"] <= m["p99_ttfa_ms"] and m["median_rtf"] > 0
+    assert m["audio_seconds_per_second"] == pytest.approx(m["audio_seconds"] / m["duration_s"])
