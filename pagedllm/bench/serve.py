@@ -255,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     if "prefix_cache_hits" in metrics:
         print(f"prefix cache hits in this run: {metrics['prefix_cache_hits']:.0f} of "
               f"{metrics['prefix_cache_queries']:.0f} prompt tokens")
-    errors = [r.error for r in records if not r.ok]
+    return finish_report(args, metrics, [r.error for r in records if not r.ok])
+
+
+def finish_report(args, metrics: dict, errors: list[str]) -> int:
+    """The first error (if any), the JSON file (--output-json), the exit status (1 when a request failed)."""
     if errors:
         print(f"first error: {errors[0]}")
     if args.output_json:

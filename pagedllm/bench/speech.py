@@ -16,7 +16,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from pagedllm.bench.serve import _percentiles, send_all
+from pagedllm.bench.serve import _percentiles, finish_report, send_all
 
 WORDS = ("the morning light falls on quiet water while a small boat drifts past green hills and far away a "
          "bell rings twice as people walk along the old stone road toward the market").split()
@@ -165,10 +165,4 @@ def run_speech_bench(args) -> int:
     metrics = compute_audio_metrics(records, duration, rate)
     print(f"texts' seed: {args.seed}; sample rate {rate} Hz")
     print(format_audio_metrics(metrics))
-    errors = [r.error for r in records if not r.ok]
-    if errors:
-        print(f"first error: {errors[0]}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"settings": vars(args), "metrics": metrics}, f, indent=2, default=str)
-    return 0 if not errors else 1
+    return finish_report(args, metrics, [r.error for r in records if not r.ok])

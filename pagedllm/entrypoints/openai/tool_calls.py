@@ -140,56 +140,53 @@ def partial_calls(text: str, tool_choice) -> list[PartialCall]:
         return [PartialCall(tool_choice["function"]["name"], text.strip() if end is None else text[:end].strip(),
                             end is not None)]
     calls: list[PartialCall] = []
-    depth, in_string, escaped, key_start, last_key = 0, False, False, -1, None
-    pending_key: str | None = None  # a key of an item object whose value comes next
-    i = 0
-    while i < len(text):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-                string = text[key_start:i + 1]
-                if depth == 2 and pending_key == "name" and calls:
-                    calls[-1].name = json.loads(string)
-                    pending_key = None
-                elif depth == 2:
-                    last_key = json.loads(string)
-            i += 1
+    depth, last_key, pending_key = 0, None, None  # pending: the item key whose value comes next
+    skip_to = 0  # the scan resumes past a call's arguments
+    for i, kind, string in _json_tokens(text):
+        if i < skip_to:
             continue
-        if ch == '"':
-            in_string, key_start = True, i
-        elif ch == ":" and depth == 2:
+        if kind == '"' and depth == 2:
+            if pending_key == "name" and calls:
+                calls[-1].name, pending_key = json.loads(string), None
+            else:
+                last_key = json.loads(string)
+        elif kind == ":" and depth == 2:
             pending_key, last_key = last_key, None
             if pending_key == "parameters" and calls:
-                start = i + 1
-                while start < len(text) and text[start] in " \t\r\n":
-                    start += 1
+                start = len(text) - len(text[i + 1:].lstrip(" \t\r\n"))
                 if start >= len(text) or text[start] != "{":
                     return calls
                 end = _value_end(text, start)
-                calls[-1].arguments = text[start:] if end is None else text[start:end]
+                calls[-1].arguments = text[start:end]  # (to the end of the text while open)
                 if end is None:
                     return calls
-                calls[-1].complete = True
-                pending_key, i = None, end
-                continue
-        elif ch in "[{":
+                calls[-1].complete, pending_key, skip_to = True, None, end
+        elif kind in "[{":
             depth += 1
             if depth == 2:
                 calls.append(PartialCall(None, "", False))
-        elif ch in "]}":
+        elif kind in "]}":
             depth -= 1
-        i += 1
     return calls
 
 
 def _value_end(text: str, start: int) -> int | None:
     """The index just past the JSON object or array opening at `start`; None while it is still open."""
-    depth, in_string, escaped = 0, False, False
+    depth = 0
+    for i, kind, _ in _json_tokens(text, start):
+        if kind in "[{":
+            depth += 1
+        elif kind in "]}":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def _json_tokens(text: str, start: int = 0):
+    """(index, kind, string) for JSON text's structure: kind is one of [ ] { } : , for those characters outside
+    strings, or '"' with the whole string literal (quotes included) where a string closes."""
+    in_string, escaped, opened = False, False, 0
     for i in range(start, len(text)):
         ch = text[i]
         if in_string:
@@ -199,12 +196,8 @@ def _value_end(text: str, start: int) -> int | None:
                 escaped = True
             elif ch == '"':
                 in_string = False
+                yield i, '"', text[opened:i + 1]
         elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+            in_string, opened = True, i
+        elif ch in "[]{}:,":
+            yield i, ch, None
