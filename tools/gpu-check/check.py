@@ -2,7 +2,7 @@
 
 Parts: env, parity, seed, planacc, throughput, latency, profile, audio, serve; (issue 21, memory truth)
 memprobe, offload_parity, planacc2, seed2; (issue 22, attention backends) parity_triton, attnbench, tput;
-(issue 23, CUDA graphs) graphs. Run from the project's root (pagedllm importable).
+(issue 23, CUDA graphs) graphs, host; (issue 26) speechload. Run from the project's root (pagedllm importable).
 GPUCHECK_SMOKE=1 runs every part on CPU with tiny sizes, to test this script without a GPU.
 
 This is ../shared/gpu-check/check.py with the issue-21 and issue-22 parts added (at the end). To use it: run
@@ -799,6 +799,53 @@ def part_host() -> None:
                 emit("host", model=model, overlap=overlap, error=f"{type(e).__name__}: {e}"[:1500])
             if DEV == "cuda":
                 torch.cuda.empty_cache()
+
+
+# -- issue 26: streamed speech under load ------------------------------------------------------------------------
+def part_speechload() -> None:
+    """The seed's model shape (Higgs Audio v2 3B and its codec, dummy bf16) served, then `bench serve --endpoint
+    speech` at concurrency 1, 8 and 32: TTFA p50/p99, RTF, seconds of audio per second (docs/audio.md)."""
+    import urllib.request
+
+    if SMOKE:
+        sys.path.insert(0, os.getcwd())
+        from tests.audio_helpers import make_tiny_audio_tokenizer, make_tiny_higgs_tts
+
+        model = str(make_tiny_higgs_tts("/tmp/gpucheck-th", long_audio=True))
+        codec = ["--audio-tokenizer-path", str(make_tiny_audio_tokenizer("/tmp/gpucheck-tc"))]
+        extra = []
+    else:
+        model, codec = "higgs-audio-v2-3b", ["--audio-tokenizer-type", "higgs-audio-v2-tokenizer"]
+        extra = ["--load-format", "dummy", "--dtype", "bfloat16"]
+    port = "8572"
+    log = open(os.path.join(OUT, "speech-server.log"), "w")
+    srv = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", model, *codec,
+                            *extra, "--device", DEV, "--max-model-len", "2048", "--port", port],
+                           stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        t = time.perf_counter()
+        while time.perf_counter() - t < 240:
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except Exception:
+                if srv.poll() is not None:
+                    raise RuntimeError(f"the speech server exited: {open(log.name).read()[-1500:]}")
+                time.sleep(1)
+        emit("speechload", up_seconds=time.perf_counter() - t)
+        from pagedllm.bench.serve import main as bench_serve
+
+        for concurrency, num in ((1, 4), (8, 8)) if SMOKE else ((1, 16), (8, 64), (32, 128)):
+            name = os.path.join(OUT, f"speech-c{concurrency}.json")
+            code = bench_serve(["--base-url", base, "--endpoint", "speech", "--max-concurrency", str(concurrency),
+                                "--num-prompts", str(num), "--random-input-len", "12", "--random-output-len",
+                                "30" if SMOKE else "250", "--seed", "1", "--output-json", name])
+            with open(name) as f:
+                emit("speechload", concurrency=concurrency, rc=code, **json.load(f)["metrics"])
+    finally:
+        srv.terminate()
+        srv.wait(timeout=30)
 
 
 if __name__ == "__main__":
