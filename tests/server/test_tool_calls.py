@@ -9,8 +9,8 @@ import jsonschema
 import openai
 import pytest
 
-from pagedllm.entrypoints.openai.tool_calls import parse_tool_calls
-from tests.server.conftest import API_KEY
+from pagedllm.entrypoints.openai.tool_calls import content_so_far, parse_tool_calls
+from tests.server.conftest import API_KEY, _stop_server, start_command
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
@@ -135,3 +135,43 @@ def test_partial_calls_read_every_prefix_of_a_reply():
     named = ' {"a": {"b": "}"}} '
     assert [partial_calls(named[:n], {"function": {"name": "f"}})[0].complete for n in (9, 17, 18)] == [
         False, False, True]
+
+
+@pytest.mark.parametrize("parser, text, streamed", [
+    ("hermes", "The weather", "The weather"),
+    ("hermes", "Let me check. <tool", "Let me check."),  # may be a call's start: held back
+    ("hermes", "Let me check. <tool_call>\n{\"name\"", "Let me check."),
+    ("hermes", "a < b and <to", "a < b and"),
+    ("llama3_json", "  {\"name\": \"add\"", ""),
+    ("llama3_json", "<|python", ""),
+    ("llama3_json", "Sunny today ", "Sunny today"),
+])
+def test_the_content_of_a_free_reply_streams_until_a_call_may_begin(parser, text, streamed):
+    assert content_so_far(parser, text) == streamed
+    for n in range(len(text)):  # what streams only grows
+        assert content_so_far(parser, text).startswith(content_so_far(parser, text[:n]))
+
+
+@pytest.fixture(scope="module")
+def auto_url(tiny_llama, tmp_path_factory):
+    import sys
+
+    proc, url = start_command(lambda port: [
+        sys.executable, "-m", "pagedllm", "serve", str(tiny_llama), "--served-model-name", "tiny", "--port", str(port),
+        "--dtype", "float32", "--max-model-len", "512", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
+        tmp_path_factory.mktemp("auto-tools"))
+    yield url
+    _stop_server(proc)
+
+
+def test_tool_choice_auto_streams_a_text_reply_as_it_is_written(auto_url):
+    """With tools and tool_choice auto the tiny model answers in text: it arrives in many deltas, and joined it
+    is the reply of the same request not streamed."""
+    client = openai.OpenAI(base_url=f"{auto_url}/v1", api_key="none", max_retries=0)
+    kwargs = dict(model="tiny", messages=[USER], tools=TOOLS, max_tokens=40, temperature=1.0, seed=5,
+                  extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.message.tool_calls is None and whole.message.content
+    pieces = [c.delta.content for chunk in client.chat.completions.create(stream=True, **kwargs)
+              for c in chunk.choices if c.delta.content]
+    assert "".join(pieces) == whole.message.content and len(pieces) > 3, pieces

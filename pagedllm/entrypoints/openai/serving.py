@@ -19,6 +19,7 @@ from pagedllm.entrypoints.openai.tool_calls import (
     calls_from_constrained,
     check_tools,
     constraint_for,
+    content_so_far,
     parse_tool_calls,
     partial_calls,
 )
@@ -546,6 +547,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     async def events():
         cursors: dict[int, _TextCursor] = {}
         streamed: dict[int, list[int]] = {}  # choice -> characters of each tool call's arguments sent
+        content_sent: dict[int, str] = {}  # choice -> the content of a free reply with tools sent so far
         final = None
         try:
             async for _, out in _merge(streams):
@@ -565,10 +567,20 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                             yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
                                           "finish_reason": tools.reply(c)[1], "stop_reason": c.stop_reason}])
                         continue
-                    if tools.active:  # a free reply is parsed whole: it is sent as one delta when complete
+                    if tools.active:  # a free reply: its content streams, its calls come when it is complete
+                        sent = content_sent.setdefault(c.index, "")
+                        if not params.stop and not c.finished():
+                            text = content_so_far(tools.parser, c.text)
+                            if len(text) > len(sent):
+                                content_sent[c.index] = text
+                                yield chunk([{"index": c.index, "delta": {"content": text[len(sent):]},
+                                              "logprobs": None, "finish_reason": None}])
                         if c.finished():
                             message, finish = tools.reply(c)
-                            delta = {"content": message["content"]} if message["content"] is not None else {}
+                            rest = message["content"]
+                            if rest is not None and sent:
+                                rest = rest[len(sent):] if rest.startswith(sent) else None
+                            delta = {"content": rest} if rest else {}
                             if message.get("tool_calls"):
                                 delta["tool_calls"] = [{"index": i, **call}
                                                        for i, call in enumerate(message["tool_calls"])]

@@ -101,7 +101,7 @@ def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]
         content = _HERMES.sub("", text).strip() if calls else text
         return (content or None) if calls else text, calls
     if parser == "llama3_json":
-        body = text.strip().removeprefix("<|python_tag|>").strip()
+        body = text.strip().removeprefix(_PYTHON_TAG).strip()
         if not body.startswith("{"):
             return text, []
         calls = [_call_of(part, "parameters") for part in body.split(";") if part.strip()]
@@ -109,6 +109,30 @@ def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]
             return text, []
         return None, calls
     raise ValueError(f"unknown tool call parser {parser!r}; known: {', '.join(TOOL_CALL_PARSERS)}")
+
+
+_HERMES_OPEN = "<tool_call>"
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def content_so_far(parser: str, text: str) -> str:
+    """The beginning of a free reply (tool_choice auto) that is content whatever comes next: streamed as it is
+    written. hermes: the text before a <tool_call> (or before what may be the start of one); llama3_json: the
+    whole text once it cannot be a call (it does not start with "{" or <|python_tag|>). Trailing whitespace
+    waits (a finished reply's content is stripped around its calls)."""
+    if parser == "hermes":
+        cut = text.find(_HERMES_OPEN)
+        if cut < 0:
+            cut = len(text)
+            for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
+                if _HERMES_OPEN.startswith(text[-k:]):
+                    cut = len(text) - k
+                    break
+        return text[:cut].rstrip()
+    head = text.lstrip()
+    if not head or head.startswith("{") or _PYTHON_TAG.startswith(head[:len(_PYTHON_TAG)]):
+        return ""
+    return text.rstrip()
 
 
 def _call_of(body: str, arguments_key: str) -> ToolCall | None:
