@@ -122,13 +122,16 @@ def test_tool_call_parsers(parser, text, content, calls):
 def test_partial_calls_read_every_prefix_of_a_reply():
     """Strings holding quotes, braces and brackets do not end a call early; each prefix's arguments are a
     prefix of the final ones, and a call is complete exactly when its object closes."""
-    from pagedllm.entrypoints.openai.tool_calls import partial_calls
+    from pagedllm.entrypoints.openai.tool_calls import ConstrainedCallReader, partial_calls
 
     text = '[{"name": "add", "parameters": {"a": 1, "b": "x}\\"{["}}, {"name":"mul","parameters":{"c":[1,{"d":2}]}}]'
     final = partial_calls(text, "required")
     assert [(c.name, json.loads(c.arguments), c.complete) for c in final] == [
         ("add", {"a": 1, "b": 'x}"{['}, True), ("mul", {"c": [1, {"d": 2}]}, True)]
+    reader = ConstrainedCallReader("required")  # read as a stream grows: the same as each prefix read whole
     for n in range(len(text)):
+        assert [(c.name, c.arguments, c.complete) for c in reader.read(text[:n])] == [
+            (c.name, c.arguments, c.complete) for c in partial_calls(text[:n], "required")]
         for got, want in zip(partial_calls(text[:n], "required"), final):
             assert want.arguments.startswith(got.arguments) and got.name in (None, want.name)
             assert got.complete == (got.arguments == want.arguments and got.arguments != "")

@@ -367,14 +367,7 @@ def part_serve() -> None:
                            stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        t = time.perf_counter()
-        while time.perf_counter() - t < 150:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except Exception:
-                time.sleep(1)
-        up = time.perf_counter() - t
+        up = _wait_healthy(base, srv, 150)
         body = json.dumps({"prompt": "Once upon a time", "max_tokens": 24, "temperature": 0}).encode()
         req = urllib.request.Request(base + "/v1/completions", body, {"Content-Type": "application/json"})
         comp = json.loads(urllib.request.urlopen(req, timeout=60).read())
@@ -383,6 +376,22 @@ def part_serve() -> None:
     finally:
         srv.terminate()
         srv.wait(timeout=30)
+
+
+def _wait_healthy(base: str, srv: subprocess.Popen, seconds: float) -> float:
+    """Seconds until the server's /health answered (polled each second); an exited server is an error."""
+    import urllib.request
+
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2)
+            break
+        except Exception:
+            if srv.poll() is not None:
+                raise RuntimeError(f"the server exited with {srv.returncode}") from None
+            time.sleep(1)
+    return time.perf_counter() - t
 
 
 def _table_total_us(table: str) -> float:
@@ -824,16 +833,7 @@ def part_speechload() -> None:
                            stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        t = time.perf_counter()
-        while time.perf_counter() - t < 240:
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except Exception:
-                if srv.poll() is not None:
-                    raise RuntimeError(f"the speech server exited: {open(log.name).read()[-1500:]}")
-                time.sleep(1)
-        emit("speechload", up_seconds=time.perf_counter() - t)
+        emit("speechload", up_seconds=_wait_healthy(base, srv, 240))
         from pagedllm.bench.serve import main as bench_serve
 
         for concurrency, num in ((1, 4), (8, 8)) if SMOKE else ((1, 16), (8, 64), (32, 128)):

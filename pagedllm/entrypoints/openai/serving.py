@@ -15,13 +15,13 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, Reques
 from pagedllm.entrypoints.openai.errors import APIError, error_body, param_of
 from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S
 from pagedllm.entrypoints.openai.tool_calls import (
+    ConstrainedCallReader,
     ToolCall,
     calls_from_constrained,
     check_tools,
     constraint_for,
     content_so_far,
     parse_tool_calls,
-    partial_calls,
 )
 from pagedllm.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 from pagedllm.errors import InvalidParameterError, InvalidPromptError
@@ -439,12 +439,12 @@ class ToolUse:
         """The tools the chat template is given (none with tool_choice none, as vLLM by default)."""
         return list(self.tools.values()) if self.active else None
 
-    def call_deltas(self, c: CompletionOutput, sent: list[int]) -> list[dict]:
+    def call_deltas(self, c: CompletionOutput, reader: ConstrainedCallReader, sent: list[int]) -> list[dict]:
         """`delta.tool_calls` for what a constrained reply wrote since the last chunk: a call once its name is
-        complete (id, type, name, empty arguments), then the new text of its arguments. `sent` holds the
-        characters of each call's arguments already sent (updated)."""
+        complete (id, type, name, empty arguments), then the new text of its arguments. `reader` reads the
+        choice's reply as it grows; `sent` holds the characters of each call's arguments already sent."""
         deltas = []
-        for k, call in enumerate(partial_calls(c.text, self.choice)):
+        for k, call in enumerate(reader.read(c.text)):
             if call.name is None:
                 break
             if k == len(sent):
@@ -546,7 +546,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
 
     async def events():
         cursors: dict[int, _TextCursor] = {}
-        streamed: dict[int, list[int]] = {}  # choice -> characters of each tool call's arguments sent
+        streamed: dict[int, tuple] = {}  # choice -> (its call reader, characters of each call's arguments sent)
         content_sent: dict[int, str] = {}  # choice -> the content of a free reply with tools sent so far
         final = None
         try:
@@ -559,7 +559,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                         yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}])
                     if tools.constraint is not None:  # calls streamed as written: names, then arguments
-                        calls = tools.call_deltas(c, streamed.setdefault(c.index, []))
+                        if c.index not in streamed:
+                            streamed[c.index] = (ConstrainedCallReader(tools.choice), [])
+                        calls = tools.call_deltas(c, *streamed[c.index])
                         if calls:
                             yield chunk([{"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None,
                                           "finish_reason": None}])

@@ -156,72 +156,63 @@ class PartialCall:
 
 
 def partial_calls(text: str, tool_choice) -> list[PartialCall]:
-    """The calls in the beginning of a reply constrained by constraint_for, read as it streams (the grammar
-    fixes the shape: a named function's reply is its arguments; "required" writes an array of
-    {"name": ..., "parameters": {...}})."""
-    if isinstance(tool_choice, dict):
-        end = _value_end(text, text.index("{")) if "{" in text else None
-        return [PartialCall(tool_choice["function"]["name"], text.strip() if end is None else text[:end].strip(),
-                            end is not None)]
-    calls: list[PartialCall] = []
-    depth, last_key, pending_key = 0, None, None  # pending: the item key whose value comes next
-    skip_to = 0  # the scan resumes past a call's arguments
-    for i, kind, string in _json_tokens(text):
-        if i < skip_to:
-            continue
-        if kind == '"' and depth == 2:
-            if pending_key == "name" and calls:
-                calls[-1].name, pending_key = json.loads(string), None
-            else:
-                last_key = json.loads(string)
-        elif kind == ":" and depth == 2:
-            pending_key, last_key = last_key, None
-            if pending_key == "parameters" and calls:
-                start = len(text) - len(text[i + 1:].lstrip(" \t\r\n"))
-                if start >= len(text) or text[start] != "{":
-                    return calls
-                end = _value_end(text, start)
-                calls[-1].arguments = text[start:end]  # (to the end of the text while open)
-                if end is None:
-                    return calls
-                calls[-1].complete, pending_key, skip_to = True, None, end
-        elif kind in "[{":
-            depth += 1
-            if depth == 2:
-                calls.append(PartialCall(None, "", False))
-        elif kind in "]}":
-            depth -= 1
-    return calls
+    """The calls in the beginning of a reply constrained by constraint_for (one reading of the whole text)."""
+    return ConstrainedCallReader(tool_choice).read(text)
 
 
-def _value_end(text: str, start: int) -> int | None:
-    """The index just past the JSON object or array opening at `start`; None while it is still open."""
-    depth = 0
-    for i, kind, _ in _json_tokens(text, start):
-        if kind in "[{":
-            depth += 1
-        elif kind in "]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
+class ConstrainedCallReader:
+    """Reads a reply constrained by constraint_for as it grows, each character once (a stream's steps would
+    otherwise rescan it all: quadratic in long arguments). The grammar fixes the shape: a named function's
+    reply is its arguments object; "required" writes an array of {"name": ..., "parameters": {...}}."""
 
+    def __init__(self, tool_choice) -> None:
+        named = isinstance(tool_choice, dict)
+        self.calls: list[PartialCall] = [PartialCall(tool_choice["function"]["name"], "", False)] if named else []
+        self._args_depth = 1 if named else 3  # the depth inside a call's arguments object
+        self._named = named
+        self._read = 0  # characters read
+        self._depth, self._in_string, self._escaped, self._opened = 0, False, False, 0
+        self._last_key: str | None = None
+        self._pending: str | None = None  # the item key whose value comes next
+        self._args_start: int | None = None  # where the open call's arguments begin
 
-def _json_tokens(text: str, start: int = 0):
-    """(index, kind, string) for JSON text's structure: kind is one of [ ] { } : , for those characters outside
-    strings, or '"' with the whole string literal (quotes included) where a string closes."""
-    in_string, escaped, opened = False, False, 0
-    for i in range(start, len(text)):
+    def read(self, text: str) -> list[PartialCall]:
+        """The calls so far; `text` is the whole reply so far (it extends the text of the previous call)."""
+        for i in range(self._read, len(text)):
+            self._char(text, i)
+        self._read = len(text)
+        if self._args_start is not None:
+            self.calls[-1].arguments = text[self._args_start:]
+        return self.calls
+
+    def _char(self, text: str, i: int) -> None:
         ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
             elif ch == "\\":
-                escaped = True
+                self._escaped = True
             elif ch == '"':
-                in_string = False
-                yield i, '"', text[opened:i + 1]
+                self._in_string = False
+                if self._depth == 2 and not self._named:
+                    value = json.loads(text[self._opened:i + 1])
+                    if self._pending == "name" and self.calls:
+                        self.calls[-1].name, self._pending = value, None
+                    else:
+                        self._last_key = value
         elif ch == '"':
-            in_string, opened = True, i
-        elif ch in "[]{}:,":
-            yield i, ch, None
+            self._in_string, self._opened = True, i
+        elif ch == ":" and self._depth == 2 and not self._named:
+            self._pending, self._last_key = self._last_key, None
+        elif ch in "[{":
+            self._depth += 1
+            if self._depth == 2 and not self._named:
+                self.calls.append(PartialCall(None, "", False))
+            if (self._depth == self._args_depth and ch == "{" and self._args_start is None and self.calls
+                    and (self._named or self._pending == "parameters")):
+                self._args_start, self._pending = i, None
+        elif ch in "]}":
+            if self._depth == self._args_depth and self._args_start is not None:
+                self.calls[-1].arguments, self.calls[-1].complete = text[self._args_start:i + 1], True
+                self._args_start = None
+            self._depth -= 1
