@@ -148,6 +148,8 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture; None: 1, 2, 4, 8, 16, ...
     # A step's outputs (detokenization, stop strings) made while the next step runs on the device (LLMEngine.step)
     async_output_proc: bool = False
+    # Logits that do not depend on the other requests of a step (model_executor/batch_invariant.py)
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.cuda_graph_sizes is not None:

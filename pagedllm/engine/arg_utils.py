@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -69,6 +70,9 @@ class EngineArgs:
     async_output_proc: bool | None = None
     disable_async_output_proc: bool = False
     attention_backend: str = "auto"  # auto, torch, cpu or triton: how attention is computed (chosen at start)
+    # A request's logits independent of the rest of its batch (seeded draws the same in any batch; slower).
+    # None: VLLM_BATCH_INVARIANT=1 in the environment (vLLM's switch) turns it on.
+    batch_invariant: bool | None = None
     load_format: str = "auto"
     device: str = "auto"
     quantization: str | None = None  # "int8": weight-only int8 decoder Linears, quantized at load
@@ -130,7 +134,8 @@ class EngineArgs:
         return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, device=device,
                             enforce_eager=self.enforce_eager, attention_backend=self._attention_backend(),
                             cuda_graph_sizes=None if self.cuda_graph_sizes is None else tuple(self.cuda_graph_sizes),
-                            async_output_proc=self._async_output_proc(device))
+                            async_output_proc=self._async_output_proc(device),
+                            batch_invariant=self._batch_invariant())
 
     def _async_output_proc(self, device: str) -> bool:
         if self.disable_async_output_proc:
@@ -138,6 +143,16 @@ class EngineArgs:
                 raise ValueError("async_output_proc=True and disable_async_output_proc=True contradict each other.")
             return False
         return device.startswith("cuda") if self.async_output_proc is None else bool(self.async_output_proc)
+
+    def _batch_invariant(self) -> bool:
+        if self.batch_invariant is not None:
+            return bool(self.batch_invariant)
+        from pagedllm.model_executor.batch_invariant import ENV_VAR
+
+        value = os.environ.get(ENV_VAR, "0")
+        if value not in ("0", "1"):
+            raise ValueError(f"{ENV_VAR} must be 0 or 1, got {value!r}.")
+        return value == "1"
 
     def _attention_backend(self) -> str:
         from pagedllm.model_executor.attention import ATTENTION_BACKENDS

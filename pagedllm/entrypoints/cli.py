@@ -45,6 +45,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="how attention is computed: torch (PyTorch ops, any device), cpu (native CPU kernels), "
                         "triton (CUDA kernels reading the paged cache in place); auto: triton on CUDA, cpu on "
                         "a CPU, else torch")
+    g.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                   help="a request's logits do not depend on the other requests in its batch, so a seeded request "
+                        "samples the same tokens (or audio) alone or beside any others; every Linear multiplies "
+                        "in fixed 16-row tiles and attention runs per query (slower). Default: "
+                        "VLLM_BATCH_INVARIANT=1 in the environment turns it on")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),

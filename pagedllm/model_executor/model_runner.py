@@ -23,6 +23,7 @@ from pagedllm.model_executor.audio_runner import (
     profile_audio_sampling,
     sample_audio,
 )
+from pagedllm.model_executor.batch_invariant import make_linears_batch_invariant
 from pagedllm.model_executor.cuda_graphs import (
     CudaGraphCapture,
     DecodeGraphs,
@@ -89,8 +90,11 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         m = config.model  # the attention backend is chosen (or refused) before any weight is loaded
         self.attn_backend = select_attention_backend(config.attention_backend, AttentionShape(
-            self.device, m.hf_config.num_attention_heads, m.num_kv_heads, m.head_dim, m.dtype, config.kv_cache_dtype))
+            self.device, m.hf_config.num_attention_heads, m.num_kv_heads, m.head_dim, m.dtype, config.kv_cache_dtype),
+            config.batch_invariant)
         self.model = load_model(config.model, self.device)
+        if config.batch_invariant:
+            make_linears_batch_invariant(self.model)
         s = config.scheduler
         max_tokens = max(s.max_num_batched_tokens, s.max_num_seqs)
         self.attn_backend.allocate_buffers(max_tokens, s.max_num_seqs, cdiv(m.max_model_len, self.block_size),

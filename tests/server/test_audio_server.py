@@ -258,7 +258,8 @@ def test_a_seed_gives_the_same_audio_every_run_and_a_batch_changes_no_greedy_fra
     """Sampling at temperature 1 with a seed: the same audio on every run, another seed other audio. Beside
     other requests a greedy request's audio is the same as alone. (A seeded request's draws come from its own
     generator, but beside others its logits differ by float rounding of the batched matmuls, ~1e-5 in fp32,
-    which now and then moves a draw across a boundary: batch invariance would need batch-invariant kernels.)"""
+    which now and then moves a draw across a boundary; `--batch-invariant` removes that rounding difference:
+    tests/engine/test_batch_invariant.py.)"""
     body = {"input": TEXT, "temperature": 1.0, "seed": 1234, "max_tokens": 30, "response_format": "pcm"}
     first = speech(seed_url, **body).content
     assert len(first) > 0 and speech(seed_url, **body).content == first

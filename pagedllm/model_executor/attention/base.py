@@ -68,6 +68,18 @@ def flat_positions(starts: list[int], lengths: list[int], table: torch.Tensor, b
     return positions, slot_mapping, start, lens, offsets
 
 
+def per_query_inputs(starts: list[int], lengths: list[int], block_tables: list[list[int]]):
+    """The step as one one-token request per query (batch-invariant mode): the token at position p of a
+    request attends to that request's keys 0..p (its K/V are written before attention) through a
+    decode kernel, so what its sums run over depends only on its own request, never on the batch or on
+    how its prompt was chunked. Returns (starts, lengths, block_tables) for build_metadata."""
+    per_token_starts, per_token_tables = [], []
+    for start, length, table in zip(starts, lengths, block_tables):
+        per_token_starts.extend(range(start, start + length))
+        per_token_tables.extend([table] * length)
+    return per_token_starts, [1] * len(per_token_starts), per_token_tables
+
+
 def padded_block_table(block_tables: list[list[int]], dtype: torch.dtype = torch.long) -> torch.Tensor:
     """(requests, longest table) with short tables padded by block 0 (never read past a request's keys).
     One tensor from padded lists (64 tables: ~0.1 ms; a row assignment per request took ~0.8 ms)."""

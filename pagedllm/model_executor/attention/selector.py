@@ -65,23 +65,33 @@ def unsupported_reason(name: str, shape: AttentionShape) -> str | None:
     raise ValueError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}.")
 
 
-def select_attention_backend(name: str, shape: AttentionShape) -> AttentionBackend:
+def select_attention_backend(name: str, shape: AttentionShape, batch_invariant: bool = False) -> AttentionBackend:
+    """`batch_invariant`: the backend must attend each query over its own keys in an order that does not
+    depend on the batch (batch_invariant.py): the cpu and triton backends can, the torch one cannot."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}.")
     reasons = {b: unsupported_reason(b, shape) for b in ATTENTION_BACKENDS[1:]}
+    if batch_invariant:
+        reasons["torch"] = ("in batch-invariant mode: its sums over keys depend on the batch (keys padded to the "
+                            "longest request's)")
     if name == "auto":
         order = ("triton", "torch") if shape.device.type == "cuda" else ("cpu", "torch")
-        name = next(b for b in order if reasons[b] is None)
+        name = next((b for b in order if reasons[b] is None), None)
+        if name is None:  # only in batch-invariant mode: torch always can otherwise
+            raise ValueError("--batch-invariant needs an attention backend that attends each query over its own "
+                             "keys: " + "; ".join(f"{b} cannot ({reasons[b]})" for b in order)
+                             + ". Drop --batch-invariant (seeded requests then stay reproducible run to run, "
+                             "not across batches).")
         skipped = [f"{b} ({reasons[b]})" for b in order[:order.index(name)]]
         logger.info("attention backend: %s%s", name, f" (not {'; '.join(skipped)})" if skipped else "")
     elif reasons[name] is not None:
         able = [b for b, why in reasons.items() if why is None]
         raise ValueError(f"--attention-backend {name} cannot run this model here: {reasons[name]}. Backends that "
                          f"can: {', '.join(able)} (or auto).")
-    return _make(name, shape.device)
+    return _make(name, shape.device, batch_invariant)
 
 
-def _make(name: str, device: torch.device) -> AttentionBackend:
+def _make(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
     if name == "torch":
         from pagedllm.model_executor.attention.torch_backend import TorchAttentionBackend
 
@@ -89,10 +99,10 @@ def _make(name: str, device: torch.device) -> AttentionBackend:
     if name == "cpu":
         from pagedllm.model_executor.attention.cpu_backend import CpuAttentionBackend
 
-        return CpuAttentionBackend()
+        return CpuAttentionBackend(batch_invariant)
     from pagedllm.model_executor.attention.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend(device)
+    return TritonAttentionBackend(device, batch_invariant)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -12,6 +12,7 @@ from pagedllm.model_executor.attention.base import (
     AttentionMetadata,
     flat_positions,
     padded_block_table,
+    per_query_inputs,
 )
 from pagedllm.model_executor.attention.layer import PagedAttention
 from pagedllm.model_executor.step_buffers import StepBuffers
@@ -31,13 +32,16 @@ class TritonMetadata(AttentionMetadata):
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, batch_invariant: bool = False) -> None:
         from pagedllm.model_executor.attention import triton_kernels  # imports triton
 
         self.kernels = triton_kernels
-        # Decode steps with fewer programs (requests x KV heads) than twice the SMs split their keys.
+        # Decode steps with fewer programs (requests x KV heads) than twice the SMs split their keys; never
+        # in batch-invariant mode (the split would depend on how many requests run), where every query of a
+        # step, prefill ones too, runs as a one-token decode (base.per_query_inputs).
         self.split_below = 2 * torch.cuda.get_device_properties(device).multi_processor_count \
-            if device.type == "cuda" else 0
+            if device.type == "cuda" and not batch_invariant else 0
+        self.batch_invariant = batch_invariant
         self.buffers: StepBuffers | None = None
         self.max_blocks = 0
 
@@ -54,6 +58,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def build_metadata(self, starts: list[int], lengths: list[int], block_tables: list[list[int]], block_size: int,
                        device: torch.device) -> TritonMetadata:
+        if self.batch_invariant:  # every query a decode of its own; a step then outgrows the buffers
+            starts, lengths, block_tables = per_query_inputs(starts, lengths, block_tables)
         table = padded_block_table(block_tables, torch.int32)
         positions, slot_mapping, start, lens, _ = flat_positions(starts, lengths, table, block_size)
         query_start = torch.zeros(len(lengths) + 1, dtype=torch.int32)
