@@ -137,6 +137,27 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}.")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many devices one engine spans (tensor parallelism) and what starts their workers."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # mp: local processes; ray: actors placed on a Ray cluster
+    worker_timeout_s: float = 120.0  # a worker silent this long (or a collective stuck this long) is lost
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}.")
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}; got {self.distributed_executor_backend!r}.")
+        if self.worker_timeout_s <= 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}.")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -150,6 +171,7 @@ class EngineConfig:
     async_output_proc: bool = False
     # Logits that do not depend on the other requests of a step (model_executor/batch_invariant.py)
     batch_invariant: bool = False
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.cuda_graph_sizes is not None:

@@ -1,4 +1,5 @@
-"""Typed exceptions users can catch. All are ValueErrors: bad input or an impossible configuration."""
+"""Typed exceptions users can catch: ValueErrors for bad input or an impossible configuration, WorkerError when
+a tensor-parallel worker is lost."""
 
 
 class UnsupportedModelError(ValueError):
@@ -23,3 +24,8 @@ class InvalidParameterError(ValueError):
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel worker died, failed or stopped answering: the engine cannot go on (its requests
+    fail; a server reports unhealthy and exits)."""

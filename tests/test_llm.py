@@ -192,8 +192,8 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm):
 
 
 def test_unknown_llm_argument_is_refused(tiny_models):
-    with pytest.raises(TypeError, match="tensor_parallel_size"):
-        LLM(str(tiny_models["llama"]), tensor_parallel_size=2)
+    with pytest.raises(TypeError, match="pipeline_parallel_size"):
+        LLM(str(tiny_models["llama"]), pipeline_parallel_size=2)
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from pagedllm.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     resolve_dtype,
 )
@@ -73,6 +74,8 @@ class EngineArgs:
     # A request's logits independent of the rest of its batch (seeded draws the same in any batch; slower).
     # None: VLLM_BATCH_INVARIANT=1 in the environment (vLLM's switch) turns it on.
     batch_invariant: bool | None = None
+    tensor_parallel_size: int = 1  # ranks one model is split across (torch.distributed)
+    distributed_executor_backend: str | None = None  # mp (local processes, the default) or ray
     load_format: str = "auto"
     device: str = "auto"
     quantization: str | None = None  # "int8": weight-only int8 decoder Linears, quantized at load
@@ -108,7 +111,8 @@ class EngineArgs:
         cpu_offload_bytes = self._cpu_offload_bytes(device)
         from pagedllm.model_executor.models.registry import get_model_class
 
-        architecture, _ = get_model_class(hf_config)
+        architecture, model_cls = get_model_class(hf_config)
+        parallel = self._parallel_config(hf_config, model_cls)
         checkpoint_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(checkpoint_dtype, str):
             checkpoint_dtype = getattr(torch, checkpoint_dtype, None)
@@ -135,7 +139,7 @@ class EngineArgs:
                             enforce_eager=self.enforce_eager, attention_backend=self._attention_backend(),
                             cuda_graph_sizes=None if self.cuda_graph_sizes is None else tuple(self.cuda_graph_sizes),
                             async_output_proc=self._async_output_proc(device),
-                            batch_invariant=self._batch_invariant())
+                            batch_invariant=self._batch_invariant(), parallel=parallel)
 
     def _async_output_proc(self, device: str) -> bool:
         if self.disable_async_output_proc:
@@ -143,6 +147,25 @@ class EngineArgs:
                 raise ValueError("async_output_proc=True and disable_async_output_proc=True contradict each other.")
             return False
         return device.startswith("cuda") if self.async_output_proc is None else bool(self.async_output_proc)
+
+    def _parallel_config(self, hf_config, model_cls) -> ParallelConfig:
+        from pagedllm.distributed.sharding import verify_tensor_parallel_size
+
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool):
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}.")
+        if tp > 1:
+            if not getattr(model_cls, "supports_tensor_parallel", False):
+                raise UnsupportedModelError(f"--tensor-parallel-size {tp}: {model_cls.__name__} runs on one device "
+                                            f"only for now (Llama, Mistral, Qwen2 and Qwen3 can be split).")
+            verify_tensor_parallel_size(hf_config, tp)
+        timeout = os.environ.get("PAGEDLLM_WORKER_TIMEOUT_S", "120")
+        try:
+            timeout_s = float(timeout)
+        except ValueError:
+            raise ValueError(f"PAGEDLLM_WORKER_TIMEOUT_S must be a number of seconds, got {timeout!r}.") from None
+        return ParallelConfig(tensor_parallel_size=tp, worker_timeout_s=timeout_s,
+                              distributed_executor_backend=self.distributed_executor_backend or "mp")
 
     def _batch_invariant(self) -> bool:
         if self.batch_invariant is not None:

@@ -40,10 +40,11 @@ class RequestAbortedError(RuntimeError):
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, step_listener=None, abort_listener=None) -> None:
+    def __init__(self, engine: LLMEngine, step_listener=None, abort_listener=None, failure_listener=None) -> None:
         self.engine = engine
         self.step_listener = step_listener  # called on the engine thread after every step
         self.abort_listener = abort_listener  # called on the engine thread with an aborted request id
+        self.failure_listener = failure_listener  # called on the engine thread with the error that stopped it
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stopped = threading.Event()
@@ -112,9 +113,11 @@ class AsyncLLMEngine:
         return asyncio.wrap_future(future)
 
     def shutdown(self) -> None:
+        """Stop the engine thread, then the engine's workers (tensor parallelism)."""
         self._stopped.set()
         self._commands.put(("wake",))
         self._thread.join(timeout=30)
+        self.engine.shutdown()
 
     # -- the engine thread -------------------------------------------------------------------
     def _handle(self, cmd: tuple) -> None:
@@ -169,6 +172,8 @@ class AsyncLLMEngine:
                 for stream in self._streams.values():
                     stream.put(EngineDeadError(f"engine step failed: {e}"))
                 self._streams.clear()
+                if self.failure_listener is not None:
+                    self.failure_listener(e)
                 return
             self._scheduler_waiting = len(self.engine.scheduler.waiting)
             now = time.monotonic()

@@ -21,7 +21,8 @@ from pagedllm.memory.plan import MemoryPlan, kv_allocation_failure
 from pagedllm.memory.profiler import runtime_overhead_bytes
 from pagedllm.model_executor.audio_sampling import verify_audio_sampling_params
 from pagedllm.model_executor.model_files import generation_eos_ids
-from pagedllm.model_executor.model_runner import ModelRunner, ModelRunnerOutput
+from pagedllm.executor import make_runner
+from pagedllm.model_executor.model_runner import ModelRunnerOutput
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarCompiler, StructuredOutputBatch
@@ -61,12 +62,23 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         self.tokenizer = tokenizer
         at_start = device_memory(config.device)  # what others use, measured before we load anything
+        tp = config.parallel.tensor_parallel_size
+        if tp > 1 and at_start.device == "cpu":  # every rank's weights and KV cache are in this one memory
+            at_start = replace(at_start, total_bytes=at_start.total_bytes // tp,
+                               used_by_others_bytes=at_start.used_by_others_bytes // tp)
         if at_start.unified and config.model.cpu_offload_bytes:
             raise ValueError(
                 f"--cpu-offload-gb has nothing to do on {at_start.name or 'this GPU'}: its memory is unified with "
                 f"the host's, so offloaded weights would stay in the same memory. Remove --cpu-offload-gb; to make "
                 f"the weights smaller, use --quantization int8.")
-        self.runner = ModelRunner(config)
+        self.runner = make_runner(config)  # a ModelRunner, or rank 0 of a tensor-parallel group
+        try:
+            self._set_up(config, at_start)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _set_up(self, config: EngineConfig, at_start: DeviceMemory) -> None:
         self.memory_plan = self._plan_memory(config, at_start)
         self.memory_plan.check()
         if config.model.max_model_len_auto:
@@ -91,6 +103,12 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_step_num_requests = 0
         self._deferred: ModelRunnerOutput | None = None  # a step whose outputs are made during the next one
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one device). The engine is unusable after."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     # -- set-up -----------------------------------------------------------------------------
     def _plan_memory(self, config: EngineConfig, at_start: DeviceMemory) -> MemoryPlan:

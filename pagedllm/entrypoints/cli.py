@@ -50,6 +50,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "samples the same tokens (or audio) alone or beside any others; every Linear multiplies "
                         "in fixed 16-row tiles and attention runs per query (slower). Default: "
                         "VLLM_BATCH_INVARIANT=1 in the environment turns it on")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model across N ranks (devices; processes on a CPU): attention heads, MLP and "
+                        "vocabulary sharded Megatron-style, one all-reduce per attention and per MLP "
+                        "(torch.distributed: NCCL on CUDA, gloo on a CPU). Refused, with the sizes that work, "
+                        "when it does not divide the model's heads")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+                   help="what starts the other ranks: mp (default) local processes; ray actors placed on a "
+                        "running Ray cluster (several machines: docs/distributed.md)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"])
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     g.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
@@ -173,8 +181,6 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-memory", default=None,
                       help="with --device-memory: the host's memory beside it, where --swap-space goes "
                            "(default: unknown, not checked)")
-    plan.add_argument("--tensor-parallel-size", type=int, default=1,
-                      help="plan per rank for N-way tensor parallelism (planning only: the engine runs tp=1)")
     add_engine_args(plan)
     add_audio_tokenizer_args(plan)
     plan.set_defaults(func=_cmd_plan)

@@ -36,6 +36,16 @@ class LLM:
         tokenizer = load_tokenizer(config.model.tokenizer) if config.model.tokenizer else None
         self.llm_engine = LLMEngine(config, tokenizer)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (their processes exit). The LLM is unusable after."""
+        self.llm_engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     @property
     def memory_plan(self):
         return self.llm_engine.memory_plan

@@ -54,7 +54,7 @@ def dry_run_plan(args: EngineArgs, device: str = "auto", device_memory: str | No
         facts = device_facts(replace(mem, unified=mem.unified or unified),
                              host=None if device == "cpu" else host_memory_of_this_machine())
 
-    args = replace(args, device=device)
+    args = replace(args, device=device, tensor_parallel_size=tensor_parallel_size)  # refused if it cannot split
     if args.model is not None and resolve_model_path(args.model, args.revision).is_file():
         args.load_format = "dummy"  # a bare config: weights sized from its shapes
     config = args.create_engine_config()

@@ -139,6 +139,7 @@ def settings_from(engine_config) -> PlanSettings:
         num_gpu_blocks_override=c.cache.num_gpu_blocks_override, kv_cache_dtype=c.cache.cache_dtype,
         quantization=c.model.quantization, cpu_offload_bytes=c.model.cpu_offload_bytes,
         swap_space_bytes=c.cache.swap_space_bytes, cuda_graph_sizes=planned_graph_sizes(c),
+        tensor_parallel_size=c.parallel.tensor_parallel_size,
     )
 
 

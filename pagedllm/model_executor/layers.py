@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import tp_group
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.attention.base import current_forward_id
 
@@ -115,3 +116,16 @@ def get_activation(name: str):
     if name not in ACTIVATIONS:
         raise UnsupportedModelError(f"hidden_act {name!r} is not supported (supported: {', '.join(ACTIVATIONS)}).")
     return ACTIVATIONS[name]
+
+
+def vocab_parallel_embed(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    """Embedding rows of `ids` where each tensor-parallel rank holds a contiguous slice of the vocabulary:
+    each looks up the ids in its slice (zeros elsewhere) and one all-reduce sums them. One rank: a lookup."""
+    tp = tp_group()
+    if tp.size == 1:
+        return embedding(ids)
+    rows = embedding.num_embeddings
+    local = ids - tp.rank * rows
+    outside = (local < 0) | (local >= rows)
+    h = embedding(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)
+    return tp.all_reduce(h)

@@ -10,6 +10,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from pagedllm.config import ModelConfig
+from pagedllm.distributed.sharding import ShardLayout
 from pagedllm.model_executor.cpu_ops import install_cpu_ops
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
 from pagedllm.model_executor.model_files import weight_files
@@ -94,11 +95,31 @@ def _iter_safetensors(model_config: ModelConfig) -> Iterator[tuple[str, torch.Te
         )
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(h.keys()) for h in handles)
+    shards = ShardLayout.of(model_config.hf_config)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=total < 50) as bar:
         for handle in handles:
             for name in handle.keys():
-                yield name, handle.get_tensor(name).to(model_config.dtype)
+                yield name, _read_shard(handle, name, shards).to(model_config.dtype)
                 bar.update(1)
+
+
+def _read_shard(handle, name: str, shards: ShardLayout) -> torch.Tensor:
+    """This tensor-parallel rank's part of checkpoint tensor `name`, read alone from the file
+    (distributed/sharding.py says which part)."""
+    split = shards.split_of(name)
+    if split is None:
+        return handle.get_tensor(name)
+    kind, start, length = split
+    tensor = handle.get_slice(name)
+    if kind == "zero":  # a row-parallel bias: added once, by rank 0
+        return torch.zeros(tensor.get_shape())
+    if kind == "row":
+        return tensor[:, start:start + length]
+    part = tensor[start:start + length]
+    if kind == "vocab" and part.shape[0] < length:  # the last shard of a vocabulary ranks do not divide
+        part = torch.cat((part, part.new_zeros(length - part.shape[0], *part.shape[1:])))
+    return part
+
 
 
 def _load_safetensors(model: nn.Module, model_config: ModelConfig) -> None:

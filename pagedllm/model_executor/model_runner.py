@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import tp_group
+from pagedllm.distributed.sharding import ShardLayout
 from pagedllm.engine.step_input import StepInput
 from pagedllm.memory.profiler import measure_peak_bytes
 from pagedllm.model_executor.attention import (
@@ -89,8 +91,10 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         m = config.model  # the attention backend is chosen (or refused) before any weight is loaded
+        self.tp = tp_group()
+        self.shards = ShardLayout.of(m.hf_config)  # this rank's heads (all of them without tensor parallelism)
         self.attn_backend = select_attention_backend(config.attention_backend, AttentionShape(
-            self.device, m.hf_config.num_attention_heads, m.num_kv_heads, m.head_dim, m.dtype, config.kv_cache_dtype),
+            self.device, self.shards.heads, self.shards.kv_heads, m.head_dim, m.dtype, config.kv_cache_dtype),
             config.batch_invariant)
         self.model = load_model(config.model, self.device)
         if config.batch_invariant:
@@ -221,7 +225,7 @@ class ModelRunner:
         m = self.config.model
         self.null_block = num_blocks if self.graphs is not None else None
         total = num_blocks + (self.graphs is not None)
-        shape = kv_cache_shape(m.num_layers, m.num_kv_heads, total * self.block_size, m.head_dim)
+        shape = kv_cache_shape(m.num_layers, self.shards.kv_heads, total * self.block_size, m.head_dim)
         # Zeros, not empty: padded key positions are multiplied by 0 attention, and 0 * NaN is NaN.
         self.kv_cache = torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
         bind_kv_cache(self.model.attention_layers(), self.kv_cache)
@@ -319,16 +323,25 @@ class ModelRunner:
         sampled = None
         if sample_rows:
             rows = hidden if len(sample_rows) == len(hidden) else hidden[torch.tensor(sample_rows, device=self.device)]
-            if self.audio_spec is None and self.sampler.reads_any_layout(sample_reqs):
-                logits = self.model.compute_logits(rows, vocab_major=True)
-            else:
-                logits = self.model.compute_logits(rows)
+            logits = self.compute_logits(rows, self.audio_spec is None and self.sampler.reads_any_layout(sample_reqs))
+            if logits is None:  # a tensor-parallel worker: rank 0 samples
+                return PendingOutput(sample_reqs, None, [(req, first, self._prompt_logprobs, h)
+                                                         for req, first, h in prompt_spans])
             if self.grammars is not None and any(r.sampling_params.guided_decoding for r in sample_reqs):
                 self.grammars.apply(logits, [self._live_matcher(r) for r in sample_reqs])
             sampled = self.sampler.sample(logits, sample_reqs) if self.audio_spec is None else \
                 PendingRows.ready(self._sample_audio(logits, sample_reqs))
         return PendingOutput(sample_reqs, sampled, [(req, first, self._prompt_logprobs, h)
                                                     for req, first, h in prompt_spans])
+
+    def compute_logits(self, hidden: torch.Tensor, vocab_major: bool = False) -> torch.Tensor | None:
+        """The model's logits of `hidden`'s rows. Under tensor parallelism each rank computes its vocabulary
+        rows and rank 0 gathers them (the others get None); `vocab_major` then does not apply."""
+        if self.tp.size == 1:
+            return self.model.compute_logits(hidden, vocab_major=True) if vocab_major else \
+                self.model.compute_logits(hidden)
+        logits = self.tp.gather_last_dim(self.model.compute_logits(hidden))
+        return None if logits is None else logits[..., :self.config.model.vocab_size]
 
     def _live_matcher(self, req: RunnerRequest):
         """The request's grammar matcher while its output is constrained (None: no constraint, or complete)."""
@@ -364,8 +377,11 @@ class ModelRunner:
         """Audio frames; unseeded requests draw from the engine's seeded generator, as text ones do."""
         return sample_audio(logits, requests, self.sampler.generator)
 
-    def _prompt_logprobs(self, req, first: int, hidden: torch.Tensor) -> PromptLogprobsChunk:
-        logprobs = torch.log_softmax(self.model.compute_logits(hidden).float(), dim=-1)
+    def _prompt_logprobs(self, req, first: int, hidden: torch.Tensor) -> PromptLogprobsChunk | None:
+        logits = self.compute_logits(hidden)
+        if logits is None:  # a tensor-parallel worker
+            return None
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
         targets = torch.tensor(req.prompt_token_ids[first + 1:first + 1 + len(hidden)], device=self.device)
         chosen = logprobs.gather(1, targets[:, None])
         ranks = (logprobs > chosen).sum(-1) + 1
@@ -399,7 +415,9 @@ class ModelRunner:
             meta = self.attn_backend.build_metadata([0] * len(lengths), lengths, tables, self.block_size, self.device)
             with forward_context(meta):
                 hidden = self.model(ids, meta.positions, **audio)
-            logits = self.model.compute_logits(hidden[:rows])
+            logits = self.compute_logits(hidden[:rows])
+            if logits is None:  # a tensor-parallel worker: rank 0 samples
+                return
             if spec is None:
                 self.sampler(logits, fake)
             else:
@@ -412,8 +430,8 @@ class ModelRunner:
             with forward_context(meta):
                 hidden = self.model(ids[:n], meta.positions, **({} if spec is None else
                                     profile_audio_inputs(n, spec, self.device)))
-            logits = self.model.compute_logits(hidden)
-            if spec is None:
+            logits = self.compute_logits(hidden)
+            if spec is None and logits is not None:
                 self.sampler(logits, fake[:n])
 
         # Every power of two up to `rows` on a GPU (kernels load lazily there); one size on a CPU.

@@ -294,12 +294,15 @@ def test_non_streaming_client_that_times_out_is_aborted(server_url, http, expect
 
 # -- start-up refusal -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("flag,value", [("--pipeline-parallel-size", "2"), ("--tensor-parallel-size", "2")])
-def test_unimplemented_vllm_flags_are_refused_at_start(tiny_llama, flag, value):
+@pytest.mark.parametrize("flag,value,says", [("--pipeline-parallel-size", "2", "--pipeline-parallel-size"),
+                                             ("--tensor-parallel-size", "3", "Sizes that work: 1, 2, 4")])
+def test_unimplemented_vllm_flags_are_refused_at_start(tiny_llama, flag, value, says):
+    """A flag pagedllm does not implement, or a tensor-parallel size the model's 4 heads cannot take: exit 2
+    before any weight is loaded."""
     start = time.monotonic()
     res = subprocess.run([sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", "--model", str(tiny_llama),
                           "--port", "1", flag, value], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr
-    assert flag in res.stderr and "Traceback" not in res.stderr
+    assert flag in res.stderr and says in res.stderr and "Traceback" not in res.stderr
     assert "memory plan" not in res.stderr, "the model was loaded before the flag was refused"
     assert time.monotonic() - start < 60

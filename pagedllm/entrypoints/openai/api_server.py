@@ -29,6 +29,7 @@ from pagedllm.entrypoints.openai.audio_args import (
     audio_server_config,
 )
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
+from pagedllm.errors import WorkerError
 from pagedllm.entrypoints.openai.guard import OPEN_PATHS, RETRY_AFTER_S, ServerGuard, default_max_body_bytes
 from pagedllm.entrypoints.openai.openapi import (
     GENERATION,
@@ -281,7 +282,7 @@ def _is_union_tag(part) -> bool:
 # vLLM flags pagedllm does not implement yet, with the value at which they change nothing.
 # Anything else is refused at start-up: a flag is never accepted and silently ignored.
 UNIMPLEMENTED_FLAGS = {
-    "--tensor-parallel-size": 1, "--pipeline-parallel-size": 1,
+    "--pipeline-parallel-size": 1,
     "--enable-lora": False,
     "--speculative-config": None, "--enable-chunked-prefill": None,
 }
@@ -370,7 +371,9 @@ def run_server(ns: argparse.Namespace) -> int:
         llm_engine = LLMEngine(config, tokenizer)
     names = ns.served_model_name or [ns.model or "pagedllm-demo"]
     metrics = EngineMetrics(names[0])
-    engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step, abort_listener=metrics.forget)
+    stop_on_lost_worker = _StopOnLostWorker()
+    engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step, abort_listener=metrics.forget,
+                            failure_listener=stop_on_lost_worker)
     app = build_app(engine, names, api_key, chat_template, metrics, audio, ns.max_request_body_bytes,
                     ns.max_waiting_requests, ns.tool_call_parser if ns.enable_auto_tool_choice else None)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
@@ -378,13 +381,32 @@ def run_server(ns: argparse.Namespace) -> int:
     server = DrainingServer(uvicorn.Config(app.state.guard, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                                            access_log=not ns.disable_log_requests),
                             engine, app.state.guard, ns.shutdown_timeout)
+    stop_on_lost_worker.server = server
     try:
         server.run()
     finally:
         engine.shutdown()
         if app.state.audio is not None:
             app.state.audio.shutdown()
+    if isinstance(engine.errored, WorkerError):
+        logger.error("exiting: %s", engine.errored)
+        return 1
     return 0
+
+
+class _StopOnLostWorker:
+    """A tensor-parallel worker lost (dead, failed, silent): its requests have their 503s; the server then
+    stops (exit status 1) rather than serve on unhealthy. Other engine errors leave it up, /health 503."""
+
+    GRACE_S = 1.0  # for the 503s already queued to be written
+
+    def __init__(self) -> None:
+        self.server: DrainingServer | None = None
+
+    def __call__(self, error: BaseException) -> None:
+        server = self.server
+        if isinstance(error, WorkerError) and server is not None and server.loop is not None:
+            server.loop.call_soon_threadsafe(server.loop.call_later, self.GRACE_S, server.stop)
 
 
 class DrainingServer:
@@ -413,6 +435,10 @@ class DrainingServer:
             await self.server.serve()
 
         asyncio.run(serve())
+
+    def stop(self) -> None:
+        """End serving now (on the event loop)."""
+        self.server.should_exit = True
 
     def _on_signal(self, sig: int) -> None:
         if self._drain is None:

@@ -170,6 +170,8 @@ class HiggsAudioV2ForConditionalGeneration(LlamaForCausalLM):
     `compute_logits(hidden) -> (rows, num_codebooks, codebook_size)`, and `audio_spec` for sampling.
     """
 
+    supports_tensor_parallel = False  # its audio path is not split yet
+
     def __init__(self, cfg, max_positions: int) -> None:
         nn.Module.__init__(self)
         self.config = cfg

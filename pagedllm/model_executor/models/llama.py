@@ -7,18 +7,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.distributed.parallel_state import tp_group
+from pagedllm.distributed.sharding import ShardLayout
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.attention import PagedAttention
 from pagedllm.model_executor.kv_quant import kv_scale_target, scale_value
-from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, get_activation
+from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, get_activation, vocab_parallel_embed
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg, rotary: RotaryEmbedding, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        shards = ShardLayout.of(cfg)  # this tensor-parallel rank's heads (all of them on one device)
+        self.num_heads = shards.heads
+        self.num_kv_heads = shards.kv_heads
+        self.head_dim = shards.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v projections stacked in one matmul (loaded from the checkpoint's three).
@@ -48,9 +51,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg, bias: bool) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.intermediate_size = ShardLayout.of(cfg).mlp_width  # this rank's columns
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=bias)
         self.act = get_activation(cfg.hidden_act)
         # A CPU engine may pack gate_up_proj to give SiLU(gate) * up in one pass (cpu_ops.py).
         self.gate_up_proj.feeds_silu_and_mul = self.act is F.silu
@@ -72,14 +75,16 @@ class LlamaDecoderLayer(nn.Module):
         """The layer on the residual stream as vLLM runs it: x is the previous layer's output, not yet
         added to `residual` (None for the first layer, whose x is the stream itself); returns this
         layer's output and the stream, so each residual add fuses with the norm after it. The stream
-        tensor may be updated in place."""
+        tensor may be updated in place. Under tensor parallelism o_proj and down_proj give this rank's
+        partial sums: one all-reduce after each."""
+        tp = tp_group()
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = tp.all_reduce(self.self_attn(positions, x))
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return tp.all_reduce(self.mlp(x)), residual
 
 
 class LlamaModel(nn.Module):
@@ -87,14 +92,14 @@ class LlamaModel(nn.Module):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(head_dim, max_positions, cfg.rope_parameters)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(ShardLayout.of(cfg).vocab_rows, cfg.hidden_size)  # this rank's rows
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h, residual = self.embed_tokens(input_ids), None  # (tokens, hidden)
+        h, residual = vocab_parallel_embed(self.embed_tokens, input_ids), None  # (tokens, hidden)
         for layer in self.layers:
             h, residual = layer(positions, h, residual)
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
@@ -112,6 +117,7 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias_default = False
     qk_norm = False
+    supports_tensor_parallel = True  # heads, MLP and vocabulary split across ranks (distributed/sharding.py)
 
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
@@ -120,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self._biases(attention_bias)
         self.model = LlamaModel(cfg, max_positions, qkv_bias, o_bias, self.qk_norm, getattr(cfg, "mlp_bias", False))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, ShardLayout.of(cfg).vocab_rows, bias=False)  # this rank's rows
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -150,8 +156,9 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor, vocab_major: bool = False) -> torch.Tensor:
-        """(rows, vocab) logits. `vocab_major`: the caller reads any layout, so a transposed view may
-        come back (a CPU engine's LM head uses that: cpu_ops.py)."""
+        """(rows, vocab) logits (this rank's vocabulary rows under tensor parallelism: the runner gathers
+        them). `vocab_major`: the caller reads any layout, so a transposed view may come back (a CPU
+        engine's LM head uses that: cpu_ops.py)."""
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[nn.Module]:

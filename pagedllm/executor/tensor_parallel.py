@@ -1,0 +1,125 @@
+"""Rank 0 of a tensor-parallel engine: the engine's ModelRunner, seen by the engine as one runner. Each
+call that runs the model or touches the KV cache is sent to the workers first, then run here; the
+collectives inside pair the ranks up. Rank 0 samples; the tokens go to the workers with the next step."""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import replace
+
+from pagedllm.config import EngineConfig
+from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+from pagedllm.engine.step_input import StepInput
+from pagedllm.errors import WorkerError
+from pagedllm.executor.worker import StepCommand, device_for_rank
+from pagedllm.model_executor.model_runner import ModelRunner, PendingOutput
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelRunner:
+    """Rank 0's ModelRunner plus the workers of ranks 1 .. N-1 (multiproc.MultiprocWorkers or the Ray
+    ones): what the engine calls a runner."""
+
+    def __init__(self, config: EngineConfig, workers) -> None:
+        self.workers = workers
+        self.size = config.parallel.tensor_parallel_size
+        self._sampled: dict[str, int] = {}  # rank 0's tokens of the last step, for the workers
+        try:
+            workers.start()
+            init_tensor_parallel(0, self.size, workers.init_method, _device(config), config.parallel.worker_timeout_s)
+            self.driver = ModelRunner(replace(config, device=device_for_rank(config, 0)))
+            self.worker_infos = workers.ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks (%s); rank 0 here, the others in processes %s", self.size,
+                    config.parallel.distributed_executor_backend,
+                    ", ".join(str(i.pid) for i in self.worker_infos))
+
+    def __getattr__(self, name: str):
+        """Everything else (device, graphs, model, requests, grammars, ...) is rank 0's."""
+        if name == "driver":
+            raise AttributeError(name)
+        return getattr(self.driver, name)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.driver.config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:
+        self.workers.send("set_config", (config,), reply=True)
+        self.workers.collect()
+        self.driver.config = config
+
+    @property
+    def weight_bytes(self) -> int:
+        """The largest rank's weights (the plan holds for every rank)."""
+        return max([self.driver.weight_bytes] + [i.weight_bytes for i in self.worker_infos])
+
+    def _everywhere(self, method: str, *args):
+        """Run a runner method on every rank; rank 0's result and the workers'."""
+        self.workers.send(method, args, reply=True)
+        with self._collectives():
+            mine = getattr(self.driver, method)(*args)
+        return mine, self.workers.collect()
+
+    @contextlib.contextmanager
+    def _collectives(self):
+        """A collective that fails (a peer gone: gloo/NCCL error, or no answer within the process group's
+        timeout) is a WorkerError naming the rank when one has exited."""
+        try:
+            yield
+        except WorkerError:
+            raise
+        except RuntimeError as e:
+            self.workers.check_alive()
+            raise WorkerError(f"a collective with the tensor-parallel ranks failed: {e}") from e
+
+    def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int | None:
+        """The largest rank's activation peak."""
+        mine, theirs = self._everywhere("profile_run", num_tokens, max_num_seqs, max_model_len)
+        peaks = [mine, *theirs]
+        return None if any(p is None for p in peaks) else max(peaks)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._everywhere("allocate_kv_cache", num_blocks)
+
+    def release_kv_cache(self) -> None:
+        self._everywhere("release_kv_cache")
+
+    def capture_graphs(self) -> None:
+        self._everywhere("capture_graphs")
+
+    def allocate_swap_space(self, num_blocks: int) -> None:
+        self._everywhere("allocate_swap_space", num_blocks)
+
+    def execute(self, step: StepInput):
+        return self.execute_async(step).result()
+
+    def execute_async(self, step: StepInput) -> PendingOutput:
+        self.workers.send("execute", (StepCommand(step, self._sampled),))
+        with self._collectives():
+            pending = self.driver.execute_async(step)
+        sampled = self._sampled = {}
+        original = pending.result
+
+        def result():
+            with self._collectives():
+                out = original()
+            sampled.update((rid, row.token_id) for rid, row in out.sampled.items())
+            return out
+
+        pending.result = result
+        return pending
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
+        destroy_tensor_parallel()
+
+
+def _device(config: EngineConfig):
+    import torch
+
+    return torch.device(device_for_rank(config, 0))

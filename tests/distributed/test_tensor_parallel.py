@@ -1,0 +1,75 @@
+"""Tensor parallelism on gloo (two CPU processes), tiny fp32 checkpoints: greedy tokens with
+--tensor-parallel-size 2 equal to one rank's, and to transformers', for each architecture (Qwen2's single KV
+head replicated on both ranks, its tied embedding split by vocabulary), with chunked prefill and under
+preemption; sizes that cannot split a model are refused with the ones that can; no worker outlives its
+engine."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.distributed.sharding import ShardLayout, tensor_parallel_sizes, verify_tensor_parallel_size
+from tests.helpers import ARCHS, hf_greedy
+
+PROMPTS = [[5 + i for i in range(n)] for n in (7, 19, 33, 4)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+ENGINE = {"dtype": "float32", "device": "cpu", "max_model_len": 64, "block_size": 4}
+
+
+def _outputs(llm: LLM, prompts=PROMPTS, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)],
+             [None if d is None else d[t].logprob for d, t in zip(o.prompt_logprobs, p)])
+            for o, p in zip(outs, prompts)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_ranks_generate_what_one_does(tiny_models, arch):
+    path = str(tiny_models[arch])
+    with LLM(path, **ENGINE) as one:
+        reference = _outputs(one)
+    # 16 tokens a step: prompts are chunked; 20 blocks of 4 tokens (80 of the 111 the prompts need): preemption
+    with LLM(path, tensor_parallel_size=2, max_num_batched_tokens=16, num_gpu_blocks_override=20, **ENGINE) as two:
+        runner = two.llm_engine.runner
+        assert runner.size == 2 and runner.shards.heads == 2
+        outputs = _outputs(two)
+        assert two.llm_engine.preemption_stats.recompute > 0
+    for (tokens, logprobs, prompt_lps), (ref_tokens, ref_logprobs, ref_prompt_lps) in zip(outputs, reference):
+        assert tokens == ref_tokens
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+        assert prompt_lps[1:] == pytest.approx(ref_prompt_lps[1:], abs=1e-4)
+    hf_tokens, _ = hf_greedy(path, PROMPTS[1], 12)
+    assert outputs[1][0] == hf_tokens
+
+
+def test_sizes_that_cannot_split_a_model_are_refused_with_those_that_can(tiny_models):
+    from pagedllm.model_executor.model_files import load_hf_config
+
+    cfg = load_hf_config(tiny_models["llama"])  # 4 heads, 2 KV heads, MLP 128
+    assert tensor_parallel_sizes(cfg) == [1, 2, 4]
+    with pytest.raises(ValueError, match=r"--tensor-parallel-size 3 cannot split this model: the model has 4 "
+                                         r"attention heads. Sizes that work: 1, 2, 4\."):
+        LLM(str(tiny_models["llama"]), tensor_parallel_size=3, device="cpu")
+    with pytest.raises(ValueError, match="the model has 4 attention heads. Sizes that work: 1, 2, 4"):
+        verify_tensor_parallel_size(cfg, 8)
+    layout = ShardLayout.of(cfg, rank=1, size=4)  # 2 KV heads over 4 ranks: ranks 2 and 3 share KV head 1
+    assert (layout.heads, layout.kv_heads, layout.first_kv_head) == (1, 1, 0)
+    assert ShardLayout.of(cfg, rank=3, size=4).first_kv_head == 1
+
+
+def test_a_model_not_split_yet_says_so(tmp_path):
+    from tests.higgs_helpers import make_tiny_higgs_model
+
+    path = make_tiny_higgs_model(tmp_path / "higgs")
+    with pytest.raises(ValueError, match="HiggsAudioV2ForConditionalGeneration runs on one device only for now"):
+        LLM(str(path), tensor_parallel_size=2, device="cpu")
+
+
+def test_workers_end_with_their_engine(tiny_models):
+    llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **ENGINE)
+    procs = list(llm.llm_engine.runner.workers.procs)
+    assert procs and all(p.poll() is None for p in procs)
+    llm.shutdown()
+    assert all(p.returncode is not None for p in procs)
+    assert not torch.distributed.is_initialized()
