@@ -97,12 +97,16 @@ def run_pagedllm(args, requests: list[BenchRequest], llm=None, report: dict | No
     # Warm-up on reversed prompts, so that it leaves nothing in the prefix cache the timed run could hit.
     warm_up = [{"prompt_token_ids": r.prompt_token_ids[::-1]} for r in requests[:2]]
     llm.generate(warm_up, [p.clone(max_tokens=4) for p in params[:2]], use_tqdm=False)
+    from pagedllm.distributed.parallel_state import collective_time
+
     before = preemption_counts(llm)
+    collectives_before = collective_time.seconds
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=True)
     elapsed = time.perf_counter() - start
     if report is not None:
         report.update({k: v - before[k] for k, v in preemption_counts(llm).items()})
+        report["collective_s"] = collective_time.seconds - collectives_before  # rank 0's; 0 on one device
     return elapsed
 
 
@@ -265,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                       f"({preemptions['recomputed_tokens']} computed tokens dropped); prefix cache hits "
                       f"{preemptions['prefix_cache_hit_tokens']} of {preemptions['prefix_cache_queried_tokens']} "
                       f"prompt tokens", flush=True)
+                if preemptions["collective_s"]:
+                    print(f"tensor parallel: rank 0 spent {preemptions['collective_s']:.2f} s in all-reduce and "
+                          f"gather ({100 * preemptions['collective_s'] / elapsed:.1f}% of the run)", flush=True)
     settings = {k: v for k, v in vars(args).items() if k != "backend"} | {"backends": backends,
                 "num_requests": len(requests), "input_tokens": in_tokens, "output_tokens": out_tokens}
     if args.output_json:

@@ -5,10 +5,23 @@ what a process that never joined a group sees) makes every collective a no-op.""
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass
+class CollectiveTime:
+    """Wall time this process spent in collectives (with what it waited for slower ranks): what
+    `bench throughput` reports as the all-reduce share of a tensor-parallel run."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+
+collective_time = CollectiveTime()
 
 
 @dataclass(frozen=True)
@@ -24,7 +37,10 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place (a row-parallel Linear's partial products)."""
         if self.size > 1:
+            start = time.perf_counter()
             dist.all_reduce(x)
+            collective_time.seconds += time.perf_counter() - start
+            collective_time.calls += 1
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -32,9 +48,12 @@ class TensorParallelGroup:
         other ranks: None. Equal shapes on every rank (padded vocab shards)."""
         if self.size == 1:
             return x
+        start = time.perf_counter()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
         dist.gather(x, parts, dst=0)
+        collective_time.seconds += time.perf_counter() - start
+        collective_time.calls += 1
         return torch.cat(parts, dim=-1) if self.is_driver else None
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 from pagedllm.config import EngineConfig
 from pagedllm.errors import WorkerError
@@ -30,6 +31,18 @@ def _ray():
     return ray
 
 
+def _probe(address: str) -> None:
+    """A given HOST:PORT that nothing listens on is refused now (Ray itself would retry for minutes)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return  # "auto", "local", or a form Ray resolves itself
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as e:
+        raise ValueError(f"--distributed-executor-backend ray: no Ray cluster answers at RAY_ADDRESS={address} "
+                         f"({e}). {HOW_TO_START_RAY}.") from None
+
+
 class RayWorkers:
     """The workers of ranks 1 .. N-1 as Ray actors; the same calls as multiproc.MultiprocWorkers."""
 
@@ -45,9 +58,10 @@ class RayWorkers:
         self._replies: list = []
         self._in_flight: list = []
         if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS", "auto")
+            _probe(address)
             try:
-                ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), logging_level=logging.WARNING,
-                         log_to_driver=True)
+                ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
             except ConnectionError as e:
                 raise ValueError(f"--distributed-executor-backend ray: no Ray cluster is reachable ({e}). "
                                  f"{HOW_TO_START_RAY}.") from None

@@ -58,12 +58,12 @@ class TensorParallelRunner:
         """The largest rank's weights (the plan holds for every rank)."""
         return max([self.driver.weight_bytes] + [i.weight_bytes for i in self.worker_infos])
 
-    def _everywhere(self, method: str, *args):
-        """Run a runner method on every rank; rank 0's result and the workers'."""
+    def on_every_rank(self, method: str, *args) -> list:
+        """Run a ModelRunner method on every rank; the results by rank."""
         self.workers.send(method, args, reply=True)
         with self._collectives():
             mine = getattr(self.driver, method)(*args)
-        return mine, self.workers.collect()
+        return [mine, *self.workers.collect()]
 
     @contextlib.contextmanager
     def _collectives(self):
@@ -79,21 +79,20 @@ class TensorParallelRunner:
 
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int | None:
         """The largest rank's activation peak."""
-        mine, theirs = self._everywhere("profile_run", num_tokens, max_num_seqs, max_model_len)
-        peaks = [mine, *theirs]
+        peaks = self.on_every_rank("profile_run", num_tokens, max_num_seqs, max_model_len)
         return None if any(p is None for p in peaks) else max(peaks)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._everywhere("allocate_kv_cache", num_blocks)
+        self.on_every_rank("allocate_kv_cache", num_blocks)
 
     def release_kv_cache(self) -> None:
-        self._everywhere("release_kv_cache")
+        self.on_every_rank("release_kv_cache")
 
     def capture_graphs(self) -> None:
-        self._everywhere("capture_graphs")
+        self.on_every_rank("capture_graphs")
 
     def allocate_swap_space(self, num_blocks: int) -> None:
-        self._everywhere("allocate_swap_space", num_blocks)
+        self.on_every_rank("allocate_swap_space", num_blocks)
 
     def execute(self, step: StepInput):
         return self.execute_async(step).result()

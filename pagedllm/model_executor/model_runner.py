@@ -230,6 +230,12 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
         bind_kv_cache(self.model.attention_layers(), self.kv_cache)
 
+    def kv_cache_blocks(self) -> int:
+        """Blocks the KV cache holds (without the CUDA graphs' null block); 0 when not allocated."""
+        if self.kv_cache is None:
+            return 0
+        return self.kv_cache.shape[3] // self.block_size - (self.null_block is not None)
+
     # -- swap space ---------------------------------------------------------------------------------
     def _block_view(self, cache: torch.Tensor) -> torch.Tensor:
         """A KV tensor as raw bytes, (layers, 2, kv_heads, blocks, bytes of one block of one head): one

@@ -66,8 +66,22 @@ def test_a_model_not_split_yet_says_so(tmp_path):
         LLM(str(path), tensor_parallel_size=2, device="cpu")
 
 
-def test_workers_end_with_their_engine(tiny_models):
-    llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **ENGINE)
+def test_the_per_rank_plan_is_what_each_rank_allocates_and_workers_end_with_their_engine(tiny_models):
+    """`plan --tensor-parallel-size 2` counts one rank's KV heads (1 of the 2): with the same KV budget, twice
+    the blocks of one rank; the engine allocates that many on every rank. Then shutdown ends the worker."""
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.memory.dry_run import dry_run_plan
+
+    path, budget = str(tiny_models["llama"]), "96KiB"
+    planned = dry_run_plan(EngineArgs(model=path, kv_cache_memory=budget, **ENGINE), device="cpu",
+                           tensor_parallel_size=2)
+    one_rank = dry_run_plan(EngineArgs(model=path, kv_cache_memory=budget, **ENGINE), device="cpu")
+    assert planned.num_blocks == 2 * one_rank.num_blocks == 96 * 1024 // (2 * 2 * 1 * 16 * 4 * 4)
+    llm = LLM(path, tensor_parallel_size=2, kv_cache_memory=budget, **ENGINE)
+    runner = llm.llm_engine.runner
+    assert llm.memory_plan.num_blocks == planned.num_blocks == llm.llm_engine.kv_cache.pool.num_blocks
+    assert runner.kv_cache.shape[2] == 1 and runner.kv_cache.shape[3] == planned.num_blocks * 4  # 1 KV head here
+    assert runner.on_every_rank("kv_cache_blocks") == [planned.num_blocks] * 2
     procs = list(llm.llm_engine.runner.workers.procs)
     assert procs and all(p.poll() is None for p in procs)
     llm.shutdown()
