@@ -43,6 +43,14 @@ class TensorParallelGroup:
             collective_time.calls += 1
         return x
 
+    def max_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise max over ranks (a new tensor on x's device; NCCL reduces it on this rank's GPU)."""
+        if self.size == 1:
+            return x
+        on = x.to(torch.cuda.current_device()) if dist.get_backend() == "nccl" else x.clone()
+        dist.all_reduce(on, op=dist.ReduceOp.MAX)
+        return on.to(x.device)
+
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0: every rank's `x` concatenated along the last dimension (vocab shards of the logits);
         other ranks: None. Equal shapes on every rank (padded vocab shards)."""

@@ -16,12 +16,14 @@ from dataclasses import dataclass
 
 from pagedllm.utils import cdiv
 
-# How a checkpoint tensor is split, by a piece of its name: "column" (dim 0), "row" (dim 1; its bias
-# on rank 0 only), "vocab" (dim 0, padded). Names not listed are replicated.
+# How a checkpoint tensor is split, by the name of the module it belongs to (`model.layers.0.mlp.up_proj.weight`:
+# up_proj): "column" (dim 0), "row" (dim 1; its bias on rank 0 only), "vocab" (dim 0, padded). Other modules
+# (norms; Higgs Audio's audio embedding and audio head) are replicated.
 _SPLITS = {
-    ".q_proj.": "q", ".k_proj.": "kv", ".v_proj.": "kv", ".gate_proj.": "column", ".up_proj.": "column",
-    ".o_proj.": "row", ".down_proj.": "row", "embed_tokens.": "vocab", "lm_head.": "vocab",
+    "q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "column", "up_proj": "column",
+    "o_proj": "row", "down_proj": "row", "embed_tokens": "vocab", "lm_head": "vocab",
 }
+ROW_PARALLEL = frozenset(m for m, kind in _SPLITS.items() if kind == "row")  # their all-reduce follows
 
 
 def _attention_sizes(hf_config) -> tuple[int, int, int, int]:
@@ -110,7 +112,8 @@ class ShardLayout:
         ("column" and "vocab": dim 0; "row": dim 1; "zero": a row-parallel bias off rank 0), or None: whole."""
         if self.size == 1:
             return None
-        kind = next((k for piece, k in _SPLITS.items() if piece in name), None)
+        parts = name.split(".")
+        kind = _SPLITS.get(parts[-2]) if len(parts) >= 2 else None
         d = self.head_dim
         if kind == "q":
             return "column", self.rank * self.heads * d, self.heads * d
@@ -121,7 +124,7 @@ class ShardLayout:
         if kind == "row":
             if name.endswith(".bias"):
                 return None if self.rank == 0 else ("zero", 0, 0)
-            width = self.heads * d if ".o_proj." in name else self.mlp_width
+            width = self.heads * d if parts[-2] == "o_proj" else self.mlp_width
             return "row", self.rank * width, width
         if kind == "vocab":
             return "vocab", self.vocab_start, self.vocab_rows

@@ -24,7 +24,7 @@ class TensorParallelRunner:
     def __init__(self, config: EngineConfig, workers) -> None:
         self.workers = workers
         self.size = config.parallel.tensor_parallel_size
-        self._sampled: dict[str, int] = {}  # rank 0's tokens of the last step, for the workers
+        self._sampled: dict[str, tuple] = {}  # rank 0's tokens (and frames) of the last step, for the workers
         try:
             workers.start()
             init_tensor_parallel(0, self.size, workers.init_method, _device(config), config.parallel.worker_timeout_s)
@@ -107,7 +107,7 @@ class TensorParallelRunner:
         def result():
             with self._collectives():
                 out = original()
-            sampled.update((rid, row.token_id) for rid, row in out.sampled.items())
+            sampled.update((rid, (row.token_id, row.frame)) for rid, row in out.sampled.items())
             return out
 
         pending.result = result

@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.step_input import StepInput
+from pagedllm.model_executor.audio_sampling import commit_frame
 from pagedllm.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -21,11 +22,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepCommand:
-    """One step for the workers: what rank 0 sampled in the step before (request id -> token id), then
-    the step itself."""
+    """One step for the workers: what rank 0 sampled in the step before (request id -> (token id, the audio
+    frame of an audio model or None)), then the step itself."""
 
     step: StepInput
-    sampled: dict[str, int] = field(default_factory=dict)
+    sampled: dict[str, tuple[int, list[int] | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,13 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, command: StepCommand) -> None:
-        for request_id, token_id in command.sampled.items():
+        for request_id, (token_id, frame) in command.sampled.items():
             req = self.runner.requests.get(request_id)
-            if req is not None:
-                req.append_token(token_id)
+            if req is None:
+                continue
+            if frame is not None:
+                commit_frame(req.audio_state, frame)
+            req.append_token(token_id)
         self.runner.execute(command.step)  # its result holds no samples: rank 0's come with the next step
 
     def run(self, method: str, args: tuple) -> Any:

@@ -310,6 +310,11 @@ def _repetition_aware_resample(codes: torch.Tensor, raw: torch.Tensor, states, g
     return codes
 
 
+def commit_frame(state: AudioGenerationState, codes: list[int]) -> AudioStep:
+    """Advance `state` by a frame sampled elsewhere (a tensor-parallel worker mirroring rank 0's draw)."""
+    return _advance(state, delay_pattern_masks(state), codes)
+
+
 def _advance(state: AudioGenerationState, masks: DelayPatternMasks, codes: list[int]) -> AudioStep:
     """Commit one frame to the state and pick the next placeholder as the reference's `_sample` does."""
     spec = state.spec

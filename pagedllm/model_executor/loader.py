@@ -86,7 +86,10 @@ def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.de
         model.packed_weight_bytes = install_cpu_ops(model, pack=not model.layer_offloads)
 
 
-def _iter_safetensors(model_config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(model_config: ModelConfig, ignored: frozenset[str] = frozenset()
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each checkpoint tensor this rank holds (its slice of it under tensor parallelism), but `ignored` ones
+    (a head the model does not use), which are not read."""
     files = weight_files(model_config.path)
     if not files:
         raise FileNotFoundError(
@@ -99,7 +102,8 @@ def _iter_safetensors(model_config: ModelConfig) -> Iterator[tuple[str, torch.Te
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=total < 50) as bar:
         for handle in handles:
             for name in handle.keys():
-                yield name, _read_shard(handle, name, shards).to(model_config.dtype)
+                if name not in ignored:
+                    yield name, _read_shard(handle, name, shards).to(model_config.dtype)
                 bar.update(1)
 
 
@@ -124,7 +128,8 @@ def _read_shard(handle, name: str, shards: ShardLayout) -> torch.Tensor:
 
 def _load_safetensors(model: nn.Module, model_config: ModelConfig) -> None:
     with torch.no_grad():
-        loaded = model.load_weights(_iter_safetensors(model_config))
+        ignored = getattr(model, "ignored_weight_names", frozenset())
+        loaded = model.load_weights(_iter_safetensors(model_config, ignored))
     missing = model.expected_weight_names() - loaded
     if missing:
         raise ValueError(

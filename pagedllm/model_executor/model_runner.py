@@ -346,6 +346,9 @@ class ModelRunner:
         if self.tp.size == 1:
             return self.model.compute_logits(hidden, vocab_major=True) if vocab_major else \
                 self.model.compute_logits(hidden)
+        if not getattr(self.model, "logits_split_by_vocab", True):  # a replicated head: rank 0's are whole
+            logits = self.model.compute_logits(hidden)
+            return logits if self.tp.is_driver else None
         logits = self.tp.gather_last_dim(self.model.compute_logits(hidden))
         return None if logits is None else logits[..., :self.config.model.vocab_size]
 

@@ -39,14 +39,18 @@ def int8_weight_bytes(out_features: int, in_features: int, dtype: torch.dtype) -
     return out_features * in_features + out_features * dtype.itemsize
 
 
-def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype,
+                  row_absmax=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, in) weight -> (int8 weight (out, in), scale (out,) in `scale_dtype`).
 
     The int8 values are rounded against the scale as stored in `scale_dtype`, so dequantizing
-    (q * scale) is within scale / 2 of the original for every element.
+    (q * scale) is within scale / 2 of the original for every element. `row_absmax` (a function of the
+    local absmax): the whole row's, when `weight` is one tensor-parallel rank's columns of it.
     """
     w = weight.detach().to(torch.float32)
     absmax = w.abs().amax(dim=1)
+    if row_absmax is not None:
+        absmax = row_absmax(absmax)
     scale = (absmax / INT8_MAX).clamp(min=torch.finfo(torch.float32).tiny).to(scale_dtype)
     q = torch.round(w / scale.to(torch.float32)[:, None]).clamp_(-INT8_MAX, INT8_MAX)
     return q.to(torch.int8), scale
@@ -67,8 +71,8 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
-        q, scale = quantize_int8(linear.weight, linear.weight.dtype)
+    def from_linear(cls, linear: nn.Linear, row_absmax=None) -> Int8Linear:
+        q, scale = quantize_int8(linear.weight, linear.weight.dtype, row_absmax)
         return cls(q, scale, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -95,14 +99,21 @@ class Int8Linear(nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
-    """Swap every nn.Linear inside the decoder layers for its quantized form. Returns how many."""
+    """Swap every nn.Linear inside the decoder layers for its quantized form. Returns how many. Under tensor
+    parallelism a row-parallel Linear (o_proj, down_proj) holds some columns of each row: its ranks agree on
+    the whole row's absmax (one all-reduce), so the scales are those of one device."""
+    from pagedllm.distributed.parallel_state import tp_group
+    from pagedllm.distributed.sharding import ROW_PARALLEL
+
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; got {method!r}.")
+    tp = tp_group()
     count = 0
     for layer in model.decoder_layers():
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear):
-                    setattr(parent, name, Int8Linear.from_linear(child))
+                    shared = tp.max_over_ranks if name in ROW_PARALLEL and tp.size > 1 else None
+                    setattr(parent, name, Int8Linear.from_linear(child, shared))
                     count += 1
     return count

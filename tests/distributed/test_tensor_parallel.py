@@ -1,8 +1,8 @@
 """Tensor parallelism on gloo (two CPU processes), tiny fp32 checkpoints: greedy tokens with
 --tensor-parallel-size 2 equal to one rank's, and to transformers', for each architecture (Qwen2's single KV
-head replicated on both ranks, its tied embedding split by vocabulary), with chunked prefill and under
-preemption; sizes that cannot split a model are refused with the ones that can; no worker outlives its
-engine."""
+head replicated on both ranks, its tied embedding split by vocabulary) and Higgs Audio v2's codes, with
+chunked prefill and under preemption; sizes that cannot split a model are refused with the ones that can;
+the per-rank plan is what each rank allocates; no worker outlives its engine."""
 from __future__ import annotations
 
 import pytest
@@ -43,6 +43,20 @@ def test_two_ranks_generate_what_one_does(tiny_models, arch):
     assert outputs[1][0] == hf_tokens
 
 
+@pytest.mark.parametrize("settings", [{"kv_cache_dtype": "fp8"}, {"quantization": "int8"}])
+def test_an_fp8_cache_and_int8_weights_split_too(tiny_models, settings):
+    """Each rank quantizes its own shard, a row-parallel one with the whole row's scale (the ranks agree on
+    it): the same int8 weights as one rank's; the fp8 cache's heads are split as they are."""
+    path = str(tiny_models["mistral"])
+    with LLM(path, **ENGINE, **settings) as one:
+        reference = _outputs(one, PROMPTS[:2])
+    with LLM(path, tensor_parallel_size=2, **ENGINE, **settings) as two:
+        outputs = _outputs(two, PROMPTS[:2])
+    for (tokens, logprobs, _), (ref_tokens, ref_logprobs, _) in zip(outputs, reference):
+        assert tokens == ref_tokens
+        assert logprobs == pytest.approx(ref_logprobs, abs=1e-4)
+
+
 def test_sizes_that_cannot_split_a_model_are_refused_with_those_that_can(tiny_models):
     from pagedllm.model_executor.model_files import load_hf_config
 
@@ -58,12 +72,26 @@ def test_sizes_that_cannot_split_a_model_are_refused_with_those_that_can(tiny_mo
     assert ShardLayout.of(cfg, rank=3, size=4).first_kv_head == 1
 
 
-def test_a_model_not_split_yet_says_so(tmp_path):
-    from tests.higgs_helpers import make_tiny_higgs_model
+def test_higgs_audio_on_two_ranks_speaks_what_one_does(tmp_path):
+    """Its text embedding split by vocabulary, the audio embedding and audio head replicated, the dual FFN
+    split like the MLP; rank 0's sampled frames reach the worker's delay-pattern state. Greedy and seeded
+    codes equal one rank's, prompts chunked."""
+    from tests.higgs_helpers import audio_prompt, make_tiny_higgs_model, text_prompt
 
-    path = make_tiny_higgs_model(tmp_path / "higgs")
-    with pytest.raises(ValueError, match="HiggsAudioV2ForConditionalGeneration runs on one device only for now"):
-        LLM(str(path), tensor_parallel_size=2, device="cpu")
+    path = str(make_tiny_higgs_model(tmp_path / "higgs"))
+    items = [(text_prompt(0, 9), None), audio_prompt(1, 4), (text_prompt(2, 17), None)]
+    inputs = [{"prompt_token_ids": p} | ({} if f is None else {"audio_codes": f}) for p, f in items]
+    params = [SamplingParams(temperature=0.0, max_tokens=16), SamplingParams(temperature=1.0, seed=3, max_tokens=16),
+              SamplingParams(temperature=0.0, max_tokens=16)]
+    engine = {"dtype": "float32", "device": "cpu", "max_model_len": 128, "block_size": 4,
+              "repetition_aware_sampling": False}
+    results = []
+    for tp, chunk in ((1, 512), (2, 8)):
+        with LLM(path, tensor_parallel_size=tp, max_num_batched_tokens=chunk, **engine) as llm:
+            outs = llm.generate(inputs, params, use_tqdm=False)
+        results.append([(o.outputs[0].token_ids, o.outputs[0].audio_codes) for o in outs])
+    for (tokens, codes), (ref_tokens, ref_codes) in zip(results[1], results[0], strict=True):
+        assert codes.shape[0] > 2 and tokens == ref_tokens and torch.equal(codes, ref_codes)
 
 
 def test_the_per_rank_plan_is_what_each_rank_allocates_and_workers_end_with_their_engine(tiny_models):

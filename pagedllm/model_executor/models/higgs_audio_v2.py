@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.distributed.parallel_state import tp_group
+from pagedllm.distributed.sharding import ShardLayout
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.audio_sampling import DelayPatternSpec
-from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
+from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, vocab_parallel_embed
 from pagedllm.model_executor.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -79,8 +81,10 @@ class HiggsAudioV2DecoderLayer(LlamaDecoderLayer):
         if routing.all_text:
             x, residual = super().forward(positions, h)
             return residual + x
-        h = h + self.self_attn(positions, routing.split(h, self.input_layernorm, self.audio_input_layernorm))
-        return h + routing.split(h, self._text_ffn, self._audio_ffn)
+        tp = tp_group()  # o_proj and both MLPs' down_proj give this rank's partial sums
+        h = h + tp.all_reduce(self.self_attn(positions, routing.split(h, self.input_layernorm,
+                                                                       self.audio_input_layernorm)))
+        return h + tp.all_reduce(routing.split(h, self._text_ffn, self._audio_ffn))
 
     def _text_ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.post_attention_layernorm(x))
@@ -114,7 +118,7 @@ class HiggsAudioV2Model(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(head_dim, max_positions, cfg.rope_parameters)
         attention_bias, mlp_bias = getattr(cfg, "attention_bias", False), getattr(cfg, "mlp_bias", False)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(ShardLayout.of(cfg).vocab_rows, cfg.hidden_size)  # this rank's rows
         self.embed_audio_tokens = AudioCodeEmbedding(cfg.num_codebooks, cfg.codebook_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             HiggsAudioV2DecoderLayer(cfg, rotary, attention_bias, attention_bias, False, mlp_bias)
@@ -146,17 +150,17 @@ class HiggsAudioV2Model(nn.Module):
         audio path), as in the reference called with input_ids and no audio_input_ids.
         """
         if audio_codes is None:
-            return self.embed_tokens(input_ids)
+            return vocab_parallel_embed(self.embed_tokens, input_ids)
         num_audio = 0 if routing.all_text else len(routing.audio_rows)
         if audio_codes.shape != (num_audio, self.spec.num_codebooks):
             raise ValueError(f"audio_codes must have shape ({num_audio}, {self.spec.num_codebooks}): one frame "
                              f"per audio position; got {tuple(audio_codes.shape)}")
         if routing.all_text:
-            return self.embed_tokens(input_ids)
+            return vocab_parallel_embed(self.embed_tokens, input_ids)
         audio = self.embed_audio_tokens(audio_codes)
         if routing.text_rows is None:
             return audio
-        h = self.embed_tokens(input_ids)
+        h = vocab_parallel_embed(self.embed_tokens, input_ids)
         h[routing.audio_rows] = audio.to(h.dtype)
         return h
 
@@ -170,7 +174,8 @@ class HiggsAudioV2ForConditionalGeneration(LlamaForCausalLM):
     `compute_logits(hidden) -> (rows, num_codebooks, codebook_size)`, and `audio_spec` for sampling.
     """
 
-    supports_tensor_parallel = False  # its audio path is not split yet
+    ignored_weight_names = IGNORED_WEIGHTS  # not even read from the checkpoint
+    logits_split_by_vocab = False  # the audio head is replicated on every rank (distributed/sharding.py)
 
     def __init__(self, cfg, max_positions: int) -> None:
         nn.Module.__init__(self)
