@@ -138,7 +138,9 @@ class LLMEngine:
         facts = measured_model_facts(config.model.hf_config, config.model.model_max_len, settings, weights,
                                      activation, overhead, source, device.type, self.runner.profiled_graph_bytes)
         host = host_memory() if device.type != "cpu" else None  # where a GPU's swap space goes
-        return with_measured_offload_cost(MemoryPlan(settings, device_facts(at_start, host=host), facts))
+        # Tensor parallelism: the plan holds on every rank if it is made for the rank with the least memory.
+        planned_for = getattr(self.runner, "tightest_device_memory", lambda mine: mine)(at_start)
+        return with_measured_offload_cost(MemoryPlan(settings, device_facts(planned_for, host=host), facts))
 
     def _allocate_kv_cache(self) -> None:
         """The planned KV cache; a failed allocation (memory taken since it was measured) is a KVCacheMemoryError."""

@@ -130,8 +130,9 @@ class MultiprocWorkers:
             if proc.poll() is not None:
                 raise self._failure(i)
 
-    def shutdown(self) -> None:
-        """Ask each worker to stop, then make sure: none outlives the engine."""
+    def shutdown(self, wait_s: float = 10) -> None:
+        """Ask each worker to stop, wait up to `wait_s` (0: a worker known lost), then kill what is left: none
+        outlives the engine."""
         for conn in self.conns:
             try:
                 conn.send(("shutdown", (), False))
@@ -139,7 +140,7 @@ class MultiprocWorkers:
                 pass
         for proc in self.procs:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=5)

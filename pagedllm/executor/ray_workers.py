@@ -129,7 +129,8 @@ class RayWorkers:
     def worker_pids(self) -> list[int]:
         return self.ray.get([actor.pid.remote() for actor in self.actors])
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait_s: float = 10) -> None:
+        """Kill the actors (Ray ends their processes) and free the placement group."""
         ray = self.ray
         for actor in self.actors:
             ray.kill(actor)

@@ -12,6 +12,7 @@ from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_te
 from pagedllm.engine.step_input import StepInput
 from pagedllm.errors import WorkerError
 from pagedllm.executor.worker import StepCommand, device_for_rank
+from pagedllm.memory.device import DeviceMemory
 from pagedllm.model_executor.model_runner import ModelRunner, PendingOutput
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,8 @@ class TensorParallelRunner:
     def __init__(self, config: EngineConfig, workers) -> None:
         self.workers = workers
         self.size = config.parallel.tensor_parallel_size
+        self.timeout_s = config.parallel.worker_timeout_s
+        self.failed = False  # a WorkerError was raised: shutdown does not wait for the workers
         self._sampled: dict[str, tuple] = {}  # rank 0's tokens (and frames) of the last step, for the workers
         try:
             workers.start()
@@ -58,6 +61,12 @@ class TensorParallelRunner:
         """The largest rank's weights (the plan holds for every rank)."""
         return max([self.driver.weight_bytes] + [i.weight_bytes for i in self.worker_infos])
 
+    def tightest_device_memory(self, mine: DeviceMemory) -> DeviceMemory:
+        """Of rank 0's device and each worker's (as measured before loading), the one with the least
+        available memory: the plan made for it holds on every rank."""
+        readings = [mine] + [i.device_memory for i in self.worker_infos if i.device_memory is not None]
+        return min(readings, key=lambda m: m.available_bytes)
+
     def on_every_rank(self, method: str, *args) -> list:
         """Run a ModelRunner method on every rank; the results by rank."""
         self.workers.send(method, args, reply=True)
@@ -72,10 +81,13 @@ class TensorParallelRunner:
         try:
             yield
         except WorkerError:
+            self.failed = True
             raise
         except RuntimeError as e:
+            self.failed = True
             self.workers.check_alive()
-            raise WorkerError(f"a collective with the tensor-parallel ranks failed: {e}") from e
+            raise WorkerError(f"a collective with the tensor-parallel ranks failed (a rank exited, or did not "
+                              f"answer within {self.timeout_s:.0f} s: PAGEDLLM_WORKER_TIMEOUT_S): {e}") from e
 
     def profile_run(self, num_tokens: int, max_num_seqs: int, max_model_len: int) -> int | None:
         """The largest rank's activation peak."""
@@ -114,7 +126,7 @@ class TensorParallelRunner:
         return pending
 
     def shutdown(self) -> None:
-        self.workers.shutdown()
+        self.workers.shutdown(wait_s=0 if self.failed else 10)
         destroy_tensor_parallel()
 
 

@@ -14,6 +14,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.step_input import StepInput
+from pagedllm.memory.device import DeviceMemory, device_memory
 from pagedllm.model_executor.audio_sampling import commit_frame
 from pagedllm.model_executor.model_runner import ModelRunner
 
@@ -36,6 +37,7 @@ class WorkerInfo:
     rank: int
     pid: int
     weight_bytes: int
+    device_memory: DeviceMemory | None  # its GPU before it loaded anything (None on a CPU: rank 0's host)
 
 
 def device_for_rank(config: EngineConfig, local_rank: int) -> str:
@@ -48,10 +50,12 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int, local_rank: int) -> None:
         self.rank = rank
-        self.runner = ModelRunner(replace(config, device=device_for_rank(config, local_rank)))
+        device = device_for_rank(config, local_rank)
+        self.at_start = device_memory(device) if device.startswith("cuda") else None
+        self.runner = ModelRunner(replace(config, device=device))
 
     def info(self) -> WorkerInfo:
-        return WorkerInfo(self.rank, os.getpid(), self.runner.weight_bytes)
+        return WorkerInfo(self.rank, os.getpid(), self.runner.weight_bytes, self.at_start)
 
     @torch.inference_mode()
     def execute(self, command: StepCommand) -> None:

@@ -115,3 +115,41 @@ def test_the_per_rank_plan_is_what_each_rank_allocates_and_workers_end_with_thei
     llm.shutdown()
     assert all(p.returncode is not None for p in procs)
     assert not torch.distributed.is_initialized()
+
+
+def test_a_worker_that_stops_answering_is_an_error_within_the_timeout(tiny_models, monkeypatch):
+    import os
+    import signal
+    import time
+
+    from pagedllm.errors import WorkerError
+
+    monkeypatch.setenv("PAGEDLLM_WORKER_TIMEOUT_S", "3")
+    llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **ENGINE)
+    [worker] = llm.llm_engine.runner.workers.procs
+    os.kill(worker.pid, signal.SIGSTOP)  # alive, silent
+    try:
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match=r"did not answer within 3 s: PAGEDLLM_WORKER_TIMEOUT_S"):
+            llm.generate([[3, 4, 5]], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 30
+    finally:
+        llm.shutdown()
+    assert worker.returncode is not None
+
+
+def test_the_plan_is_made_for_the_rank_with_the_least_memory():
+    """Rank 0's GPU and each worker's, as measured before loading: another process on rank 1's GPU makes the
+    plan smaller for every rank (on a CPU the workers report none: rank 0's share of the host stands)."""
+    from pagedllm.executor.tensor_parallel import TensorParallelRunner
+    from pagedllm.executor.worker import WorkerInfo
+    from pagedllm.memory.device import DeviceMemory
+
+    gib = 1 << 30
+    runner = object.__new__(TensorParallelRunner)  # only its readings
+    mine = DeviceMemory("cuda", 80 * gib, 1 * gib, False)
+    busy = DeviceMemory("cuda", 80 * gib, 30 * gib, False)
+    runner.worker_infos = [WorkerInfo(1, 1, 0, busy), WorkerInfo(2, 2, 0, None)]
+    assert runner.tightest_device_memory(mine) is busy
+    runner.worker_infos = [WorkerInfo(1, 1, 0, None)]
+    assert runner.tightest_device_memory(mine) is mine
