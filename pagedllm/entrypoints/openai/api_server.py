@@ -290,6 +290,10 @@ UNIMPLEMENTED_FLAGS = {
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="N engine replicas (each with its own --tensor-parallel-size ranks and KV cache) behind "
+                        "this one server: each request goes to the replica with the most free KV blocks, or to "
+                        "one that recently served the same prompt beginning (its prefix cache)")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--served-model-name", nargs="+", default=None)
@@ -360,7 +364,13 @@ def run_server(ns: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     chat_template = _read_chat_template(ns.chat_template)
     api_key = ns.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
-    config = engine_args_from(ns).create_engine_config()
+    config = engine_args_from(ns).create_engine_config()  # bad settings are refused here, before any replica
+    if ns.data_parallel_size != 1:
+        if ns.data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}.")
+        from pagedllm.entrypoints.openai.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(ns)
     tokenizer = load_tokenizer(config.model.tokenizer) if config.model.tokenizer else None
     audio = audio_server_config(ns)
     if audio.enabled:
