@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection, Listener, wait
 
 from pagedllm.config import EngineConfig
 from pagedllm.errors import WorkerError
-from pagedllm.executor.worker import WorkerInfo
+from pagedllm.executor.worker import WorkerInfo, device_for_rank
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,10 @@ class MultiprocWorkers:
             if time.monotonic() > deadline:
                 raise WorkerError(f"tensor-parallel workers did not start within {CONNECT_TIMEOUT_S:.0f} s")
         return by_rank
+
+    def driver_device(self) -> str:
+        """Rank 0's device: cuda:0 (rank r uses cuda:r), or the CPU."""
+        return device_for_rank(self.config, 0)
 
     def ready(self) -> list[WorkerInfo]:
         """Each worker's report once it has loaded its shard (waits as long as loading takes)."""

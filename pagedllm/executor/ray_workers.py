@@ -54,6 +54,7 @@ class RayWorkers:
         self.timeout_s = config.parallel.worker_timeout_s
         self.actors: list = []
         self.placement = None
+        self.holder = None  # on CUDA: an idle actor in rank 0's bundle, holding rank 0's GPU for it
         self._booting: list = []
         self._replies: list = []
         self._in_flight: list = []
@@ -87,11 +88,30 @@ class RayWorkers:
                              f"--tensor-parallel-size.")
         actor_cls = ray.remote(RankActor)
         first = 1 if gpus else 0
+        if gpus:
+            self.holder = ray.remote(GpuHolder).options(num_cpus=0, num_gpus=1,
+                                                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                                            self.placement, placement_group_bundle_index=0)).remote()
         threads = threads_per_rank(self.size)
         self.actors = [actor_cls.options(num_cpus=1, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
             self.placement, placement_group_bundle_index=first + i)).remote() for i in range(self.size - 1)]
         self._booting = [actor.boot.remote(self.config, rank, self.size, self.init_method, self.timeout_s, threads)
                          for rank, actor in enumerate(self.actors, start=1)]
+
+    def driver_device(self) -> str:
+        """Rank 0's device: on CUDA the head's GPU that Ray reserved in rank 0's bundle (so no worker actor on
+        the head is given it too), as this process numbers its visible GPUs; else the CPU."""
+        if self.holder is None:
+            return "cpu"
+        gpu = int(self.ray.get(self.holder.gpu_id.remote()))
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            ids = [int(i) for i in visible.split(",") if i.strip().isdigit()]
+            if gpu not in ids:
+                raise ValueError(f"Ray reserved GPU {gpu} of this machine for rank 0, but CUDA_VISIBLE_DEVICES="
+                                 f"{visible} hides it: unset CUDA_VISIBLE_DEVICES for the server.")
+            gpu = ids.index(gpu)
+        return f"cuda:{gpu}"
 
     def ready(self) -> list[WorkerInfo]:
         return self._get(self._booting, timeout=None)
@@ -132,13 +152,23 @@ class RayWorkers:
     def shutdown(self, wait_s: float = 10) -> None:
         """Kill the actors (Ray ends their processes) and free the placement group."""
         ray = self.ray
-        for actor in self.actors:
+        for actor in self.actors + ([self.holder] if self.holder is not None else []):
             ray.kill(actor)
+        self.holder = None
         if self.placement is not None:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.placement)
         self.actors, self.placement = [], None
+
+
+class GpuHolder:
+    """Keeps rank 0's GPU reserved in the placement group while the engine runs (rank 0 is not an actor)."""
+
+    def gpu_id(self) -> str:
+        import ray
+
+        return str(ray.get_gpu_ids()[0])
 
 
 class RankActor:

@@ -7,11 +7,13 @@ import contextlib
 import logging
 from dataclasses import replace
 
+import torch
+
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
 from pagedllm.engine.step_input import StepInput
 from pagedllm.errors import WorkerError
-from pagedllm.executor.worker import StepCommand, device_for_rank
+from pagedllm.executor.worker import StepCommand
 from pagedllm.memory.device import DeviceMemory
 from pagedllm.model_executor.model_runner import ModelRunner, PendingOutput
 
@@ -30,8 +32,10 @@ class TensorParallelRunner:
         self._sampled: dict[str, tuple] = {}  # rank 0's tokens (and frames) of the last step, for the workers
         try:
             workers.start()
-            init_tensor_parallel(0, self.size, workers.init_method, _device(config), config.parallel.worker_timeout_s)
-            self.driver = ModelRunner(replace(config, device=device_for_rank(config, 0)))
+            device = workers.driver_device()
+            init_tensor_parallel(0, self.size, workers.init_method, torch.device(device),
+                                 config.parallel.worker_timeout_s)
+            self.driver = ModelRunner(replace(config, device=device))
             self.worker_infos = workers.ready()
         except BaseException:
             self.shutdown()
@@ -129,8 +133,3 @@ class TensorParallelRunner:
         self.workers.shutdown(wait_s=0 if self.failed else 10)
         destroy_tensor_parallel()
 
-
-def _device(config: EngineConfig):
-    import torch
-
-    return torch.device(device_for_rank(config, 0))
