@@ -86,6 +86,17 @@ def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.de
         model.packed_weight_bytes = install_cpu_ops(model, pack=not model.layer_offloads)
 
 
+def _move_to(model: nn.Module, device: torch.device, kept: set[int]) -> None:
+    """Move parameters (except those whose id is in `kept`) and buffers to `device`."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in kept:
+                p.data = p.data.to(device)
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                setattr(module, name, buf.to(device))
+
+
 def _iter_safetensors(model_config: ModelConfig, ignored: frozenset[str] = frozenset()
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each checkpoint tensor this rank holds (its slice of it under tensor parallelism), but `ignored` ones

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.server.conftest import start_command, wait_until
 
