@@ -59,7 +59,7 @@ class EngineMetrics:
                                          buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5), registry=r
                                          ).labels(model_name)
         self.grammar_bitmask = counter("structured_output_bitmask_seconds",
-                                       "Time spent filling and applying structured outputs' token bitmasks.")
+                                       "Time spent filling structured outputs' token bitmasks.")
         self._model_name = model_name
         self._tokens: dict[str, int] = {}
         self._last_time: dict[str, float] = {}
@@ -67,10 +67,7 @@ class EngineMetrics:
         self._seen_prefix = (0, 0)  # (queries, hits)
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], now: float) -> None:
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.kv_usage.set(engine.kv_cache.pool.usage)
+        self._set_gauges(engine)
         self._on_preemptions(engine)
         stats = engine.prefix_cache_stats
         self.prefix_queries.inc(stats.queries - self._seen_prefix[0])
@@ -101,8 +98,8 @@ class EngineMetrics:
                 self._last_time.pop(rid, None)
 
     def _on_structured_outputs(self, engine: LLMEngine) -> None:
-        grammars = engine.runner.grammars
-        if grammars is None:
+        grammars = engine.structured_outputs
+        if not grammars.started:
             return
         for seconds in grammars.compiler.take_compile_times():
             self.grammar_compile.observe(seconds)
@@ -110,8 +107,6 @@ class EngineMetrics:
         self._seen["bitmask_seconds"] = grammars.bitmask_seconds
 
     def _on_preemptions(self, engine: LLMEngine) -> None:
-        self.swapped.set(len(engine.scheduler.swapped))
-        self.swap_usage.set(engine.kv_cache.swap_usage)
         pre, swap = engine.preemption_stats, engine.swap_stats
         self._advance(self.preemptions["swap"], "swap", pre.swap)
         self._advance(self.preemptions["recompute"], "recompute", pre.recompute)
@@ -129,7 +124,18 @@ class EngineMetrics:
         if hit:
             self.mm_cache_hits.inc()
 
-    def forget(self, request_id: str) -> None:
-        """An aborted request produces no final output: drop its bookkeeping."""
+    def _set_gauges(self, engine: LLMEngine) -> None:
+        sched = engine.scheduler
+        self.running.set(len(sched.running))
+        self.waiting.set(len(sched.waiting))
+        self.swapped.set(len(sched.swapped))
+        self.kv_usage.set(engine.kv_cache.pool.usage)
+        self.swap_usage.set(engine.kv_cache.swap_usage)
+
+    def on_abort(self, engine: LLMEngine, request_id: str) -> None:
+        """An aborted request (on the engine thread): its bookkeeping dropped (it produces no final output), and
+        the gauges set again. The last requests of a busy server may all end by abort, after which no step runs:
+        without this, an idle server would show their running count and blocks until the next request."""
         self._tokens.pop(request_id, None)
         self._last_time.pop(request_id, None)
+        self._set_gauges(engine)

@@ -153,25 +153,105 @@ def _json_schema_grammar(xgr, schema: str) -> str:
     return grammar.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
 
 
-class StructuredOutputBatch:
-    """A step's bitmask: filled on the host for the rows that have a live matcher, applied on the device."""
+@dataclass
+class GrammarState:
+    """A request's matcher and how many of its output tokens it has accepted: advanced to the request's output
+    before each step it samples in, so any path that adds tokens (a step, a preemption's recompute) keeps it
+    in step."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
-        import xgrammar as xgr
+    matcher: Any
+    num_accepted: int = 0
 
-        self._xgr = xgr
-        self.compiler = compiler
-        self._batch = xgr.BatchGrammarMatcher(max_threads=2)
-        self.bitmask_seconds = 0.0  # filling and applying bitmasks, since start (/metrics)
 
-    def apply(self, logits, matchers: list) -> None:
-        """matchers[i]: row i's matcher, or None (unconstrained, or its grammar already complete)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
-        if not rows:
-            return
+@dataclass
+class GrammarBitmask:
+    """A step's structured-output constraint as plain data: the allowed next tokens of the step's constrained
+    sampling rows, one bit per token (xgrammar's int32 words). `rows[i]` is the index, among the step's
+    sampling requests in scheduled order, of the request bitmask row i is for."""
+
+    rows: list[int]
+    bitmask: Any  # torch.Tensor (len(rows), ceil(vocab_size / 32)) int32, on the host
+    vocab_size: int
+
+
+def apply_grammar_bitmask(logits, mask: GrammarBitmask) -> None:
+    """Masked tokens' logits to -inf, in place (the model runner, on the logits' device)."""
+    import torch
+    import xgrammar as xgr
+
+    full = torch.zeros(logits.shape[0], mask.bitmask.shape[1], dtype=torch.int32)
+    full[mask.rows] = mask.bitmask
+    xgr.apply_token_bitmask_inplace(logits, full.to(logits.device, non_blocking=True), vocab_size=mask.vocab_size,
+                                    indices=mask.rows)
+
+
+class StructuredOutputManager:
+    """The engine's side of structured outputs: compiles constraints (from any thread: the server validates
+    them before a request is queued) and, each step, fills the bitmask of the step's constrained requests from
+    their matchers, which live on the engine's requests. The runner only applies it: the bitmask travels
+    in the step (StepInput.grammar_bitmask), so every executor applies the same constraint."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._compiler: GrammarCompiler | None = None
+        self._batch = None  # xgrammar's BatchGrammarMatcher, made with the compiler
+        self._lock = threading.Lock()
+        self.bitmask_seconds = 0.0  # filling bitmasks, since start (/metrics)
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """Made at the first constraint (it reads the tokenizer's vocabulary: ~1 s for 150k tokens)."""
+        with self._lock:
+            if self._compiler is None:
+                if self._tokenizer is None:
+                    raise InvalidParameterError("guided_decoding", "structured outputs need the model's tokenizer; "
+                                                                   "this model has none")
+                import xgrammar as xgr
+
+                self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size)
+                self._batch = xgr.BatchGrammarMatcher(max_threads=2)
+            return self._compiler
+
+    @property
+    def started(self) -> bool:
+        """A constraint has been compiled (the compiler exists)."""
+        return self._compiler is not None
+
+    def compile(self, params: GuidedDecodingParams):
+        return self.compiler.compile(params)
+
+    def bitmask(self, requests: list) -> GrammarBitmask | None:
+        """The bitmask for a step whose sampling requests are `requests` (engine Requests, in the step's
+        order); None when none of them is constrained (or every constrained one's grammar is complete)."""
+        if self._compiler is None or not any(r.sampling_params.guided_decoding for r in requests):
+            return None
         start = time.perf_counter()
-        bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.compiler.vocab_size)
-        self._batch.batch_fill_next_token_bitmask([matchers[i] for i in rows], bitmask, indices=rows)
-        self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                              vocab_size=self.compiler.vocab_size, indices=rows)
+        rows, matchers = [], []
+        for i, req in enumerate(requests):
+            matcher = self._live_matcher(req)
+            if matcher is not None:
+                rows.append(i)
+                matchers.append(matcher)
+        if not rows:
+            return None
+        bitmask = self._compiler._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
         self.bitmask_seconds += time.perf_counter() - start
+        return GrammarBitmask(rows, bitmask, self.vocab_size)
+
+    def _live_matcher(self, req):
+        """The request's matcher advanced to its output, while its output is constrained (None: no constraint,
+        or the grammar is complete)."""
+        params = req.sampling_params.guided_decoding
+        if params is None:
+            return None
+        state: GrammarState | None = req.grammar
+        output = req.output_token_ids
+        if state is None:
+            state = req.grammar = GrammarState(self._compiler.matcher(params, output), len(output))
+        for token in output[state.num_accepted:]:
+            if state.matcher.is_terminated() or not state.matcher.accept_token(token):
+                break
+        state.num_accepted = len(output)
+        return None if state.matcher.is_terminated() else state.matcher

@@ -15,9 +15,19 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pagedllm.model_executor.cpu_isa import available_cpu_isas
 from tests.helpers import ARCHS, hf_greedy, load_hf_model, make_tiny_model
 
 __all__ = ["hf_greedy", "load_hf_model", "make_tiny_model"]
+
+
+@pytest.fixture(params=available_cpu_isas())
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each CPU path this machine can run, best first (amx, avx512_bf16, avx2, none: cpu_isa.py), forced in
+    turn with PAGEDLLM_CPU_ISA: a test that takes it states what each path promises, and so checks every
+    path at or below this machine's own."""
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -34,7 +34,7 @@ def reference(path) -> list[tuple[list[int], list[float]]]:
 
 def count_computed_tokens(llm: LLM) -> list[int]:
     """Wrap the model runner so every step adds the tokens it computes to the returned counter."""
-    runner, total = llm.llm_engine.runner, [0]
+    runner, total = llm.llm_engine.executor.driver, [0]
     execute = runner.execute_async
 
     def counted(step):
@@ -98,7 +98,7 @@ def test_recompute_preemption_equals_transformers(path, reference, caching):
 def test_without_the_swap_in_copies_the_outputs_change(path, reference):
     """The check above could fail: skip the copies back and the resumed requests read stale K/V."""
     llm = LLM(str(path), swap_space=SWAP, preemption_mode="swap", enable_prefix_caching=False, **TIGHT)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.driver
     swap_blocks = runner.swap_blocks
 
     def swap_out_only(step):
@@ -149,7 +149,7 @@ def test_fp8_cache_swaps_as_bytes(path):
     (to the float noise of batching requests differently, as any two schedules)."""
     want = greedy(LLM(str(path), kv_cache_dtype="fp8", **ROOMY), PROMPTS)
     llm = LLM(str(path), kv_cache_dtype="fp8", swap_space=SWAP, preemption_mode="swap", **TIGHT)
-    assert llm.llm_engine.runner.swap_cache.dtype == torch.float8_e4m3fn
+    assert llm.llm_engine.executor.driver.swap_cache.dtype == torch.float8_e4m3fn
     assert_equal(greedy(llm, PROMPTS), want)
     assert llm.llm_engine.preemption_stats.swap > 0
 
@@ -183,12 +183,12 @@ def test_generate_takes_one_priority_per_prompt(path):
 def test_plan_swap_line_equals_the_host_tensor(path, kv_cache_dtype):
     llm = LLM(str(path), swap_space=SWAP, kv_cache_dtype=kv_cache_dtype, **TIGHT)
     engine, plan = llm.llm_engine, llm.memory_plan
-    host, device = engine.runner.swap_cache, engine.runner.kv_cache
+    host, device = engine.executor.driver.swap_cache, engine.executor.driver.kv_cache
     assert host.device.type == "cpu" and host.dtype == device.dtype
     assert host.shape[:3] == device.shape[:3] and host.shape[4:] == device.shape[4:]  # the same per-layer layout
     assert plan.swap_bytes == host.numel() * host.element_size()
     assert plan.num_swap_blocks == engine.num_swap_blocks == engine.kv_cache.host_pool.num_blocks
-    assert plan.block_bytes == engine.runner.kv_block_bytes
+    assert plan.block_bytes == engine.executor.driver.kv_block_bytes
     assert plan.num_swap_blocks == int(SWAP * 2**30) // plan.block_bytes
     assert f"{plan.num_swap_blocks} blocks" in plan.table() and "swap space (--swap-space)" in plan.table()
     assert plan.to_json()["swap_bytes"] == plan.swap_bytes

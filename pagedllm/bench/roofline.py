@@ -204,12 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
               max_model_len=args.prompt_len + args.steps + 2 * prefill_steps + 16, max_num_seqs=max(args.batch_sizes),
               device=args.device, attention_backend=args.attention_backend)
-    device = llm.llm_engine.runner.device
+    device = llm.llm_engine.executor.driver.device
     cfg = llm.llm_engine.config.model
     num_params = num_params_from_config(cfg.hf_config)
-    weights = llm.llm_engine.runner.weight_bytes
+    weights = llm.llm_engine.executor.driver.weight_bytes
     kv_tok = kv_bytes_per_token(cfg.hf_config, cfg.dtype)
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.driver.model
     print("per row: read bandwidth and matmul rate are the best of samples taken before each timed step "
           f"(the matmul rate over {args.matmul_window:g} s of back-to-back matmuls); the step time is the best "
           "of --steps (median beside)")

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = measure_matmul(matmul_dtype)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {rate / 1e9:.0f} GFLOP/s "
           f"({str(matmul_dtype).removeprefix('torch.')})", flush=True)
-    shape = (num_params_from_config(cfg.hf_config), llm.llm_engine.runner.weight_bytes,
+    shape = (num_params_from_config(cfg.hf_config), llm.llm_engine.executor.driver.weight_bytes,
              kv_bytes_per_token(cfg.hf_config, cfg.dtype))
     hf_model = tp._hf_model(args) if {"transformers", "transformers-cb"} & set(backends) else None
     for b in args.batch_sizes:

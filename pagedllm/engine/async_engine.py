@@ -43,7 +43,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, step_listener=None, abort_listener=None, failure_listener=None) -> None:
         self.engine = engine
         self.step_listener = step_listener  # called on the engine thread after every step
-        self.abort_listener = abort_listener  # called on the engine thread with an aborted request id
+        self.abort_listener = abort_listener  # called on the engine thread with the engine and an aborted request id
         self.failure_listener = failure_listener  # called on the engine thread with the error that stopped it
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -63,8 +63,11 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted and not yet scheduled (read from any thread; exact once the engine is idle)."""
-        return self._adds_submitted - self._adds_handled + self._scheduler_waiting
+        """Requests accepted and not yet scheduled (read from any thread). Never below the true count: an add
+        is counted in the scheduler's queue before it leaves the command queue's count (and `handled` is read
+        first), so a request in between is counted twice for a moment, never missed."""
+        handled = self._adds_handled
+        return self._adds_submitted - handled + self._scheduler_waiting
 
     # -- called from the event loop ----------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -124,20 +127,22 @@ class AsyncLLMEngine:
         kind = cmd[0]
         if kind == "add":
             _, request_id, prompt, params, strict_length, priority, stream, future = cmd
-            self._adds_handled += 1
             try:
                 self.engine.add_request(request_id, prompt, params, stream=True, strict_length=strict_length,
                                         priority=priority)
             except Exception as e:  # bad input: back to the caller, the engine is untouched
+                self._adds_handled += 1
                 future.set_exception(e)
                 return
+            self._scheduler_waiting = len(self.engine.scheduler.waiting)  # (before `handled`: see num_waiting)
+            self._adds_handled += 1
             self._streams[request_id] = stream
             future.set_result(None)
         elif kind == "abort":
             self.engine.abort_request(cmd[1])
             self._streams.pop(cmd[1], None)
             if self.abort_listener is not None:
-                self.abort_listener(cmd[1])
+                self.abort_listener(self.engine, cmd[1])
         elif kind == "abort_all":
             for request_id, stream in list(self._streams.items()):
                 stream.put(RequestAbortedError(cmd[1]))

@@ -60,9 +60,9 @@ class AudioGeneration:
     ras: RepetitionAwareSampling | None  # repetition-aware sampling (from generation_config.json), or off
 
     @classmethod
-    def for_model(cls, model: object, model_path: Path, repetition_aware_sampling: bool) -> AudioGeneration | None:
-        """None for a text model (one without an `audio_spec`)."""
-        spec = getattr(model, "audio_spec", None)
+    def for_model(cls, spec: DelayPatternSpec | None, model_path: Path, repetition_aware_sampling: bool
+                  ) -> AudioGeneration | None:
+        """None for a text model (its runner reports no `audio_spec`)."""
         if spec is None:
             return None
         ras = RepetitionAwareSampling.from_generation_config(generation_config(model_path))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,11 +22,11 @@ from pagedllm.memory.plan import MemoryPlan, kv_allocation_failure
 from pagedllm.memory.profiler import runtime_overhead_bytes
 from pagedllm.model_executor.audio_sampling import verify_audio_sampling_params
 from pagedllm.model_executor.model_files import generation_eos_ids
-from pagedllm.executor import make_runner
+from pagedllm.executor import Executor, make_executor
 from pagedllm.model_executor.model_runner import ModelRunnerOutput
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output import GrammarCompiler, StructuredOutputBatch
+from pagedllm.structured_output import GrammarCompiler, StructuredOutputManager
 from pagedllm.utils import phase
 
 logger = logging.getLogger(__name__)
@@ -71,7 +72,11 @@ class LLMEngine:
                 f"--cpu-offload-gb has nothing to do on {at_start.name or 'this GPU'}: its memory is unified with "
                 f"the host's, so offloaded weights would stay in the same memory. Remove --cpu-offload-gb; to make "
                 f"the weights smaller, use --quantization int8.")
-        self.runner = make_runner(config)  # a ModelRunner, or rank 0 of a tensor-parallel group
+        self.executor: Executor = make_executor(config)
+        # Dropping the last reference to the engine stops its workers and leaves the process group, so the
+        # next engine in this process can start (LLM.shutdown() or a `with` block does it at a known point).
+        self._finalizer = weakref.finalize(self, self.executor.shutdown)
+        self.structured_outputs = StructuredOutputManager(tokenizer, config.model.vocab_size)
         try:
             self._set_up(config, at_start)
         except BaseException:
@@ -83,7 +88,7 @@ class LLMEngine:
         self.memory_plan.check()
         if config.model.max_model_len_auto:
             config = self._with_max_model_len(config, self.memory_plan.max_model_len)
-            self.runner.config = config
+            self.executor.set_max_model_len(config.model.max_model_len)
             logger.info("max_model_len auto: %d tokens fit", config.model.max_model_len)
         self.config = config
         logger.info("memory plan:\n%s", self.memory_plan.table())
@@ -96,7 +101,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.eos_token_ids = self._eos_token_ids()
         # Audio models (None for text ones): how prompts carry audio and requests sample frames.
-        self.audio = AudioGeneration.for_model(self.runner.model, config.model.path,
+        self.audio = AudioGeneration.for_model(self.runner_facts.audio_spec, config.model.path,
                                                config.model.repetition_aware_sampling)
         self._groups: dict[str, _Group] = {}
         self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
@@ -105,10 +110,9 @@ class LLMEngine:
         self._deferred: ModelRunnerOutput | None = None  # a step whose outputs are made during the next one
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (nothing to do on one device). The engine is unusable after."""
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        """Stop the tensor-parallel workers and leave the process group (nothing to do on one device); safe to
+        call twice. The engine is unusable after."""
+        self._finalizer()
 
     # -- set-up -----------------------------------------------------------------------------
     def _plan_memory(self, config: EngineConfig, at_start: DeviceMemory) -> MemoryPlan:
@@ -116,64 +120,64 @@ class LLMEngine:
         settings = settings_from(config)
         if config.model.max_model_len_auto:
             settings = replace(settings, max_model_len=None)
-        device = self.runner.device
-        graphs = self.runner.graphs  # what the runner really captures (a CPU's twin keeps no pool)
-        settings = replace(settings, cuda_graph_sizes=graphs.sizes if graphs is not None and device.type == "cuda" else ())
-        weights = self.runner.weight_bytes
+        facts = self.runner_facts = self.executor.runner_facts()
+        device = torch.device(facts.device)
+        settings = replace(settings, cuda_graph_sizes=facts.graph_sizes)  # what the runner really captures
+        weights = facts.weight_bytes
         # On a CPU before the profile run (whose freed heap the resident set keeps); on a GPU after it, with
         # the kernels its steps loaded and the workspaces they made.
-        resident_weights = weights - self.runner.offloaded_weight_bytes + self.runner.offload_slot_bytes
+        resident_weights = weights - facts.offloaded_weight_bytes + facts.offload_slot_bytes
         overhead = runtime_overhead_bytes(device, resident_weights, at_start) if device.type == "cpu" else None
         sized_by_user = config.cache.kv_cache_memory_bytes is not None or config.cache.num_gpu_blocks_override
-        activation, source = None, "measured"
+        activation, graph_bytes, source = None, None, "measured"
         if not sized_by_user:
-            activation = self.runner.profile_run(settings.max_num_batched_tokens, settings.max_num_seqs,
-                                                 config.model.max_model_len)
+            peaks = self.executor.profile_run(settings.max_num_batched_tokens, settings.max_num_seqs,
+                                              config.model.max_model_len)
+            activation, graph_bytes = peaks.activation_bytes, peaks.graph_bytes
         if overhead is None:
             overhead = runtime_overhead_bytes(device, resident_weights, at_start)
         if activation is None:
             source = "estimated (KV cache sized by the user)" if sized_by_user else "estimated"
             activation = estimate_activation_bytes(config.model.hf_config, settings.dtype,
                                                    settings.max_num_batched_tokens, settings.max_num_seqs)
-        facts = measured_model_facts(config.model.hf_config, config.model.model_max_len, settings, weights,
-                                     activation, overhead, source, device.type, self.runner.profiled_graph_bytes)
+        model_facts = measured_model_facts(config.model.hf_config, config.model.model_max_len, settings, weights,
+                                           activation, overhead, source, device.type, graph_bytes)
         host = host_memory() if device.type != "cpu" else None  # where a GPU's swap space goes
         # Tensor parallelism: the plan holds on every rank if it is made for the rank with the least memory.
-        planned_for = getattr(self.runner, "tightest_device_memory", lambda mine: mine)(at_start)
-        return with_measured_offload_cost(MemoryPlan(settings, device_facts(planned_for, host=host), facts))
+        planned_for = self.executor.plan_device_memory(at_start)
+        return with_measured_offload_cost(MemoryPlan(settings, device_facts(planned_for, host=host), model_facts))
 
     def _allocate_kv_cache(self) -> None:
         """The planned KV cache; a failed allocation (memory taken since it was measured) is a KVCacheMemoryError."""
         plan = self.memory_plan
         try:
-            self.runner.allocate_kv_cache(plan.num_blocks)
+            self.executor.allocate_kv_cache(plan.num_blocks)
         except torch.OutOfMemoryError as e:
-            self.runner.release_kv_cache()
+            self.executor.release_kv_cache()
             raise KVCacheMemoryError(kv_allocation_failure(plan, str(e).splitlines()[0])) from None
 
     def _capture_graphs(self) -> None:
         """CUDA graphs of decode steps, after the KV cache (they record its addresses); what they took is
         compared with what the plan set aside for them."""
-        self.runner.capture_graphs()
-        graphs, planned = self.runner.graphs, self.memory_plan.graph_pool_bytes
-        if graphs is None or graphs.pool_bytes is None or not planned:
+        pool_bytes, planned = self.executor.capture_graphs(), self.memory_plan.graph_pool_bytes
+        if pool_bytes is None or not planned:
             return
-        if graphs.pool_bytes > planned:
+        if pool_bytes > planned:
             logger.warning("the CUDA graphs took %.1f MiB, more than the %.1f MiB the memory plan set aside: lower "
                            "--gpu-memory-utilization if other processes need the difference, or pass --enforce-eager",
-                           graphs.pool_bytes / 2**20, planned / 2**20)
+                           pool_bytes / 2**20, planned / 2**20)
 
     def _allocate_swap_space(self, swap_space_bytes: int) -> int:
         """Host blocks for --swap-space, sized by the bytes per block of the KV cache as allocated (its
         dtype, e.g. fp8, and layout), not by the model dtype. Returns how many."""
         if not swap_space_bytes:
             return 0
-        block_bytes = self.runner.kv_block_bytes
+        block_bytes = self.executor.kv_block_bytes()
         num_blocks = swap_space_bytes // block_bytes
         if num_blocks < 1:  # the plan refuses this first; here in case the two ever disagree
             raise ValueError(f"--swap-space ({swap_space_bytes} bytes) is smaller than one KV block ({block_bytes} "
                              f"bytes)")
-        self.runner.allocate_swap_space(num_blocks)
+        self.executor.allocate_swap_space(num_blocks)
         logger.info("swap space: %d blocks x %d bytes in host memory", num_blocks, block_bytes)
         return num_blocks
 
@@ -279,7 +283,7 @@ class LLMEngine:
             raise InvalidParameterError("logit_bias", f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary "
                                                       f"[0, {vocab})")
         if params.guided_decoding is not None:
-            self.grammars.compile(params.guided_decoding)  # an invalid constraint fails here, not in a step
+            self.structured_outputs.compile(params.guided_decoding)  # an invalid constraint fails here, not in a step
         bad_stop = [t for t in params.stop_token_ids if t >= self.config.model.vocab_size]
         if bad_stop:
             raise InvalidParameterError("stop_token_ids", f"stop_token_ids {bad_stop} are outside the vocabulary "
@@ -309,14 +313,8 @@ class LLMEngine:
 
     @property
     def grammars(self) -> GrammarCompiler:
-        """Structured outputs' compiler, made at the first request that has a constraint (it reads the
-        tokenizer's vocabulary); the runner applies the grammars through the same one."""
-        if self.runner.grammars is None:
-            if self.tokenizer is None:
-                raise InvalidParameterError("guided_decoding", "structured outputs need the model's tokenizer; this "
-                                                               "model has none")
-            self.runner.grammars = StructuredOutputBatch(GrammarCompiler(self.tokenizer, self.config.model.vocab_size))
-        return self.runner.grammars.compiler
+        """Structured outputs' compiler (made at the first constraint; usable from any thread)."""
+        return self.structured_outputs.compiler
 
     def _audio_prompt(self, prompt: PromptType, ids: list[int], params: SamplingParams) -> AudioPrompt | None:
         """An audio model's prompt with its audio checked and expanded; None for a text model."""
@@ -352,9 +350,12 @@ class LLMEngine:
         with phase("schedule"):
             plan = self.scheduler.schedule()
             step_input = None if plan.is_empty else self.scheduler.runner_input(plan)
+            if step_input is not None:  # structured outputs: the allowed tokens of the rows that sample
+                step_input.grammar_bitmask = self.structured_outputs.bitmask(
+                    [s.request for s in plan.scheduled if s.samples])
         self.last_step_num_requests = len(plan.scheduled)
         with phase("launch"):
-            pending = None if step_input is None else self.runner.execute_async(step_input)
+            pending = None if step_input is None else self.executor.execute_model(step_input)
         outputs = []
         if self._deferred is not None:  # the host's work on the last step, while the device runs this one
             with phase("outputs"):

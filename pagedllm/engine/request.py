@@ -88,6 +88,9 @@ class Request(TokenSequence):
         self.audio_finished = False  # every codebook emitted stream eos
         # What the engine reports (the sampling state itself lives in the model runner).
         self.output_logprobs: list[dict[int, Logprob]] = []
+        # Structured outputs: the matcher of the request's constraint (a structured_output.GrammarState), made
+        # at its first sampling step; the step's bitmask is filled from it.
+        self.grammar: Any = None
         self.prompt_logprobs: list[dict[int, Logprob] | None] = []
         self.cumulative_logprob = 0.0
 

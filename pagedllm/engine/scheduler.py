@@ -82,8 +82,8 @@ class Scheduler:
         self.swapped: list[Request] = []  # swapped out, kept in (priority, arrival) order
         self.preemption_stats = PreemptionStats()
         # The model runner's view: ids whose state it holds, and those finished since its last step.
-        self._known_to_runner: set[str] = set()
-        self._finished_for_runner: list[str] = []
+        self._sent_to_executor: set[str] = set()
+        self._finished_since_sent: list[str] = []
 
     @property
     def num_preemptions(self) -> int:
@@ -116,9 +116,9 @@ class Scheduler:
         self._forget(request)
 
     def _forget(self, request: Request) -> None:
-        if request.request_id in self._known_to_runner:
-            self._known_to_runner.discard(request.request_id)
-            self._finished_for_runner.append(request.request_id)
+        if request.request_id in self._sent_to_executor:
+            self._sent_to_executor.discard(request.request_id)
+            self._finished_since_sent.append(request.request_id)
 
     # -- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -236,12 +236,12 @@ class Scheduler:
         those it has not seen yet, and the ids finished since its last step. Called once per executed step,
         before `update` moves the cursors."""
         step = StepInput(blocks_to_swap_out=out.blocks_to_swap_out, blocks_to_swap_in=out.blocks_to_swap_in,
-                         finished_request_ids=self._finished_for_runner)
-        self._finished_for_runner = []
+                         finished_request_ids=self._finished_since_sent)
+        self._finished_since_sent = []
         for s in out.scheduled:
             req = s.request
-            if req.request_id not in self._known_to_runner:
-                self._known_to_runner.add(req.request_id)
+            if req.request_id not in self._sent_to_executor:
+                self._sent_to_executor.add(req.request_id)
                 step.new_requests.append(NewRequestData(
                     req.request_id, req.prompt_token_ids, req.sampling_params, frozenset(req.eos_token_ids),
                     req.prompt_frames, req.audio_state))

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import GrammarBitmask
 
 Frame = tuple[int, ...]  # one audio position's codes, one per codebook
 BlockCopy = tuple[int, int]  # (source block, destination block)
@@ -86,6 +87,8 @@ class StepInput:
     # K/V block copies before this step's forward: swap-outs first, then swap-ins.
     blocks_to_swap_out: list[BlockCopy] = field(default_factory=list)  # (device block, host block)
     blocks_to_swap_in: list[BlockCopy] = field(default_factory=list)  # (host block, device block)
+    # Structured outputs: the allowed tokens of this step's constrained sampling rows (None: none is).
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -71,9 +71,6 @@ class Worker:
     def run(self, method: str, args: tuple) -> Any:
         if method == "execute":
             return self.execute(*args)
-        if method == "set_config":
-            self.runner.config = replace(args[0], device=self.runner.config.device)
-            return None
         return getattr(self.runner, method)(*args)
 
 

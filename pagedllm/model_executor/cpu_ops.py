@@ -6,15 +6,19 @@ vector / matrix units. Nothing in a hot function asks which device it runs on.
 """
 from __future__ import annotations
 
+import logging
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.model_executor.cpu_isa import cpu_isa, machine_cpu_isa, onednn_bf16
 from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
 from pagedllm.model_executor.models.llama import LlamaMLP
+
+logger = logging.getLogger(__name__)
 
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the element-wise kernels and the GEMV take
 
@@ -24,6 +28,9 @@ def install_cpu_ops(model: nn.Module, pack: bool = True) -> int:
     (pack_linear_weights). Returns the bytes held in packed form."""
     kernels = cpu_kernels()
     dtype = next(model.parameters()).dtype
+    isa = cpu_isa()
+    logger.info("CPU path: %s%s", isa, "" if isa == machine_cpu_isa() else
+                f" (forced by PAGEDLLM_CPU_ISA; this machine has {machine_cpu_isa()})")
     if kernels is not None and dtype in NATIVE_DTYPES:
         native = {RMSNorm: ("forward", _native_rms_norm), RotaryEmbedding: ("rotate", _native_rotate),
                   LlamaMLP: ("forward", _native_mlp)}
@@ -175,22 +182,18 @@ def _kernel_packable(w: torch.Tensor) -> bool:
     return w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
 
 
-def _onednn_bf16() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def cpu_has_bf16_arithmetic() -> bool:
-    """AMX / AVX512-BF16 (our kernels) or oneDNN's bf16 support. Without either, PyTorch's bf16 matmul
-    on CPU is a slow fallback (a 2048^3 product: 59 s on a 2-core Zen 3, 0.1 s in fp32)."""
-    kernels = cpu_kernels()
-    return (kernels is not None and kernels.packed_linear_supported()) or _onednn_bf16()
+    """AMX / AVX512-BF16 (our kernels) or oneDNN's bf16 support (cpu_isa). Without either, PyTorch's bf16
+    matmul on CPU is a slow fallback (a 2048^3 product: 59 s on a 2-core Zen 3, 0.1 s in fp32)."""
+    return cpu_isa() in ("amx", "avx512_bf16")
 
 
 def pack_linear_weights(model: nn.Module) -> int:
     """On CPU in bfloat16, re-lay every Linear's weight once for the CPU's vector / matrix units; the
-    plain weight is freed. Returns the bytes now held in packed form.
+    plain weight is freed. Returns the bytes now held in packed form. The path is cpu_isa()'s (the
+    machine's best, or a lower one PAGEDLLM_CPU_ISA forces).
 
-    Where cpu_kernels has its AMX / AVX512-BF16 kernels (packed_linear.cpp), they take the weight:
+    `amx`: cpu_kernels' AMX / AVX512-BF16 kernels (packed_linear.cpp) take the weight:
     one layout serves every batch size, read at memory bandwidth at one row (24 layers of
     Qwen2.5-0.5B: 39-42 ms against oneDNN's 78-84 ms here) and faster than oneDNN at 64-512 rows.
     A weight shared by a Linear and an Embedding (a tied LM head) is packed once for both: the
@@ -198,22 +201,23 @@ def pack_linear_weights(model: nn.Module) -> int:
     (an MLP's [gate | up]) is packed with its gate and up blocks alternating and gains
     `fused_silu_and_mul(x)`: SiLU(gate) * up computed as each block pair leaves the matrix units
     (no (rows, 2 * intermediate) product written and read back); its forward still gives the product.
-    Otherwise, with oneDNN bf16 (AVX-512 without AMX), oneDNN's blocked format, 2-3x faster than the
+    `avx512_bf16` (oneDNN bf16, AVX-512 without AMX): oneDNN's blocked format, 2-3x faster than the
     plain bf16 product at one row and ~1.4x at 64; a tied weight then stays plain (one copy) and
-    multiplies in the orientation that is faster for decode. With neither (no bf16 arithmetic: AVX2
-    only), the same packed layout goes to the kernels' AVX2 / FMA path, which widens bf16 to fp32 in
-    registers (24 layers at 1 row: 24 ms, 30 GB/s, where PyTorch's bf16 product took 65 ms; at 64 rows
-    ~135 GFLOP/s against ~20 for PyTorch's bf16 matmul); a weight not in whole blocks, or every weight
-    when the kernels cannot be built, multiplies UPCAST_MIN_ROWS rows or more in fp32 (upcast_linear).
+    multiplies in the orientation that is faster for decode. `avx2` (no bf16 arithmetic), the same
+    packed layout as `amx` (tied head and fused SiLU included) goes to the kernels' AVX2 / FMA path,
+    which widens bf16 to fp32 in registers (24 layers at 1 row: 24 ms, 30 GB/s, where PyTorch's bf16
+    product took 65 ms; at 64 rows ~135 GFLOP/s against ~20 for PyTorch's bf16 matmul); a weight not in
+    whole blocks multiplies UPCAST_MIN_ROWS rows or more in fp32 (upcast_linear). `none` (no kernels):
+    every bf16 Linear multiplies UPCAST_MIN_ROWS rows or more in fp32.
     """
+    isa = cpu_isa()
     kernels = cpu_kernels()
-    amx = kernels is not None and kernels.packed_linear_supported()
-    onednn = _onednn_bf16()
-    fma = not (amx or onednn) and kernels is not None and kernels.packed_linear_fma_supported()
-    if not (amx or onednn or fma):
+    own_kernels = isa in ("amx", "avx2") and kernels is not None  # packed_linear.cpp takes whole-block weights
+    fma = isa == "avx2" and own_kernels
+    onednn = isa in ("amx", "avx512_bf16") and onednn_bf16()  # (on amx: the weights not in whole blocks)
+    if not (own_kernels or onednn):
         _use_fp32_arithmetic(model)
         return 0
-    own_kernels = amx or fma  # packed_linear.cpp takes whole-block weights
     sharers: dict[int, list[nn.Module]] = {}
     for module in model.modules():
         for param in module.parameters(recurse=False):

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ from pagedllm.model_executor.request_state import RunnerRequest
 from pagedllm.model_executor.sampler import PendingRows, SampledRow, Sampler
 from pagedllm.model_executor.step_buffers import StepBuffers
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output import StructuredOutputBatch
+from pagedllm.structured_output import apply_grammar_bitmask
 from pagedllm.utils import cdiv, phase
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,18 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RunnerFacts:
+    """What the engine's memory plan and request handling need to know of a loaded runner (plain data)."""
+
+    device: str
+    weight_bytes: int  # parameters (shared ones once) and packed weights
+    offloaded_weight_bytes: int  # the part of weight_bytes kept in host memory by --cpu-offload-gb
+    offload_slot_bytes: int  # device memory the offloaded layers pass through
+    graph_sizes: tuple[int, ...]  # decode batch sizes replayed from CUDA graphs (empty: none, or a CPU's twin)
+    audio_spec: Any = None  # a multi-codebook audio model's AudioSpec; None for a text model
+
+
 class PendingOutput:
     """A launched step's results: result() waits for the sampled rows, gives each request its token and
     computes the prompt logprobs asked for."""
@@ -77,8 +90,6 @@ class PendingOutput:
                 for req, row in zip(self._requests, self._sampled.rows()):
                     out.sampled[req.request_id] = row
                     req.append_token(row.token_id)
-                    if req.grammar is not None and not req.grammar.is_terminated():
-                        req.grammar.accept_token(row.token_id)
             for req, first, compute, hidden in self._prompt_spans:
                 out.prompt_logprobs[req.request_id] = compute(req, first, hidden)
             self._output = out
@@ -116,7 +127,6 @@ class ModelRunner:
         self.profiled_graph_bytes: int | None = None  # a decode step's peak at the largest graph size (CUDA)
         self.kv_cache: torch.Tensor | None = None
         self.requests: dict[str, RunnerRequest] = {}  # the runner's state of each request it has been sent
-        self.grammars: StructuredOutputBatch | None = None  # set by the engine at the first structured request
         self.swap_cache: torch.Tensor | None = None  # host copy of the layout for swapped-out blocks
         if is_fp8(config.kv_cache_dtype):
             self._log_kv_scales()
@@ -196,6 +206,17 @@ class ModelRunner:
         scales = {(a.k_scale, a.v_scale) for a in self.model.attention_layers()}
         source = "1.0 (the checkpoint has no k_scale/v_scale)" if scales == {(1.0, 1.0)} else "from the checkpoint"
         logger.info("KV cache stored as %s, per-layer k/v scales %s", self.config.kv_cache_dtype, source)
+
+    def facts(self) -> RunnerFacts:
+        graphs = self.graphs if self.graphs is not None and self.device.type == "cuda" else None
+        return RunnerFacts(str(self.device), self.weight_bytes, self.offloaded_weight_bytes, self.offload_slot_bytes,
+                           graphs.sizes if graphs is not None else (), self.audio_spec)
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        """The context length the memory plan settled on (max_model_len auto)."""
+        c = self.config
+        self.config = replace(c, model=replace(c.model, max_model_len=max_model_len),
+                              scheduler=replace(c.scheduler, max_model_len=max_model_len))
 
     @property
     def weight_bytes(self) -> int:
@@ -333,8 +354,8 @@ class ModelRunner:
             if logits is None:  # a tensor-parallel worker: rank 0 samples
                 return PendingOutput(sample_reqs, None, [(req, first, self._prompt_logprobs, h)
                                                          for req, first, h in prompt_spans])
-            if self.grammars is not None and any(r.sampling_params.guided_decoding for r in sample_reqs):
-                self.grammars.apply(logits, [self._live_matcher(r) for r in sample_reqs])
+            if step.grammar_bitmask is not None:  # structured outputs: the engine filled it for these rows
+                apply_grammar_bitmask(logits, step.grammar_bitmask)
             sampled = self.sampler.sample(logits, sample_reqs) if self.audio_spec is None else \
                 PendingRows.ready(self._sample_audio(logits, sample_reqs))
         return PendingOutput(sample_reqs, sampled, [(req, first, self._prompt_logprobs, h)
@@ -351,15 +372,6 @@ class ModelRunner:
             return logits if self.tp.is_driver else None
         logits = self.tp.gather_last_dim(self.model.compute_logits(hidden))
         return None if logits is None else logits[..., :self.config.model.vocab_size]
-
-    def _live_matcher(self, req: RunnerRequest):
-        """The request's grammar matcher while its output is constrained (None: no constraint, or complete)."""
-        params = req.sampling_params.guided_decoding
-        if params is None:
-            return None
-        if req.grammar is None:
-            req.grammar = self.grammars.compiler.matcher(params, req.output_token_ids)
-        return None if req.grammar.is_terminated() else req.grammar
 
     def _forward(self, step: StepInput, reqs: list[RunnerRequest], starts: list[int], lengths: list[int],
                  tables: list[list[int]], input_ids: list[int]) -> torch.Tensor:

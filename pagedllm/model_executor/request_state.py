@@ -22,7 +22,6 @@ class RunnerRequest(TokenSequence):
     all_token_ids: list[int] = field(default_factory=list)  # prompt + sampled
     prompt_frames: list[Frame | None] | None = None
     audio_state: AudioGenerationState | None = None
-    grammar: Any = None  # structured output: the xgrammar matcher, made at the first sampling step
 
     def __post_init__(self) -> None:
         if self.sampling_params.ignore_eos:  # eos is then an ordinary token (as the engine's Request has it)

@@ -13,6 +13,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.multiproc import free_port
+from tests.sampling_features import ENGINE_FEATURES, run_features, same_greedy_outputs
 
 PROMPTS = [[5 + i for i in range(n)] for n in (7, 19, 33)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -52,12 +53,24 @@ def test_ranks_on_ray_generate_what_one_rank_does(tiny_models, ray_cluster):
                                                                    use_tqdm=False)]
     with LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", max_num_batched_tokens=16,
              **ENGINE) as two:
-        workers = two.llm_engine.runner.workers
+        workers = two.llm_engine.executor.workers
         assert type(workers).__name__ == "RayWorkers" and len(workers.worker_pids()) == 1
         assert workers.worker_pids()[0] != os.getpid()
         got = [o.outputs[0].token_ids for o in two.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
                                                              use_tqdm=False)]
     assert got == reference
+
+
+def test_every_sampling_feature_holds_on_ray_ranks(tiny_models, ray_cluster):
+    """The feature batch of tests/sampling_features.py on two ranks placed by Ray: each constraint holds
+    (structured outputs' bitmask, logit_bias, min_tokens ...), and the greedy outputs are one rank's."""
+    path = str(tiny_models["qwen2"])
+    with LLM(path, **ENGINE_FEATURES) as one:
+        reference = run_features(one)
+    with LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_FEATURES) as two:
+        outs = run_features(two)
+        assert two.llm_engine.preemption_stats.total > 0
+    same_greedy_outputs(outs, reference)
 
 
 def test_no_reachable_cluster_says_how_to_start_one(tiny_models, monkeypatch):

@@ -10,7 +10,9 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.distributed.sharding import ShardLayout, tensor_parallel_sizes, verify_tensor_parallel_size
+from tests.distributed.test_tp_server import worker_pids
 from tests.helpers import ARCHS, hf_greedy
+from tests.sampling_features import ENGINE_FEATURES, run_features, same_greedy_outputs
 
 PROMPTS = [[5 + i for i in range(n)] for n in (7, 19, 33, 4)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1)
@@ -31,8 +33,8 @@ def test_two_ranks_generate_what_one_does(tiny_models, arch):
         reference = _outputs(one)
     # 16 tokens a step: prompts are chunked; 20 blocks of 4 tokens (80 of the 111 the prompts need): preemption
     with LLM(path, tensor_parallel_size=2, max_num_batched_tokens=16, num_gpu_blocks_override=20, **ENGINE) as two:
-        runner = two.llm_engine.runner
-        assert runner.size == 2 and runner.shards.heads == 2
+        executor = two.llm_engine.executor
+        assert executor.size == 2 and executor.driver.shards.heads == 2
         outputs = _outputs(two)
         assert two.llm_engine.preemption_stats.recompute > 0
     for (tokens, logprobs, prompt_lps), (ref_tokens, ref_logprobs, ref_prompt_lps) in zip(outputs, reference):
@@ -106,11 +108,11 @@ def test_the_per_rank_plan_is_what_each_rank_allocates_and_workers_end_with_thei
     one_rank = dry_run_plan(EngineArgs(model=path, kv_cache_memory=budget, **ENGINE), device="cpu")
     assert planned.num_blocks == 2 * one_rank.num_blocks == 96 * 1024 // (2 * 2 * 1 * 16 * 4 * 4)
     llm = LLM(path, tensor_parallel_size=2, kv_cache_memory=budget, **ENGINE)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.executor.driver
     assert llm.memory_plan.num_blocks == planned.num_blocks == llm.llm_engine.kv_cache.pool.num_blocks
     assert runner.kv_cache.shape[2] == 1 and runner.kv_cache.shape[3] == planned.num_blocks * 4  # 1 KV head here
-    assert runner.on_every_rank("kv_cache_blocks") == [planned.num_blocks] * 2
-    procs = list(llm.llm_engine.runner.workers.procs)
+    assert llm.llm_engine.executor.collective_rpc("kv_cache_blocks") == [planned.num_blocks] * 2
+    procs = list(llm.llm_engine.executor.workers.procs)
     assert procs and all(p.poll() is None for p in procs)
     llm.shutdown()
     assert all(p.returncode is not None for p in procs)
@@ -126,7 +128,7 @@ def test_a_worker_that_stops_answering_is_an_error_within_the_timeout(tiny_model
 
     monkeypatch.setenv("PAGEDLLM_WORKER_TIMEOUT_S", "3")
     llm = LLM(str(tiny_models["llama"]), tensor_parallel_size=2, **ENGINE)
-    [worker] = llm.llm_engine.runner.workers.procs
+    [worker] = llm.llm_engine.executor.workers.procs
     os.kill(worker.pid, signal.SIGSTOP)  # alive, silent
     try:
         start = time.monotonic()
@@ -141,15 +143,50 @@ def test_a_worker_that_stops_answering_is_an_error_within_the_timeout(tiny_model
 def test_the_plan_is_made_for_the_rank_with_the_least_memory():
     """Rank 0's GPU and each worker's, as measured before loading: another process on rank 1's GPU makes the
     plan smaller for every rank (on a CPU the workers report none: rank 0's share of the host stands)."""
-    from pagedllm.executor.tensor_parallel import TensorParallelRunner
+    from pagedllm.executor.tensor_parallel import TensorParallelExecutor
     from pagedllm.executor.worker import WorkerInfo
     from pagedllm.memory.device import DeviceMemory
 
     gib = 1 << 30
-    runner = object.__new__(TensorParallelRunner)  # only its readings
+    executor = object.__new__(TensorParallelExecutor)  # only its readings
     mine = DeviceMemory("cuda", 80 * gib, 1 * gib, False)
     busy = DeviceMemory("cuda", 80 * gib, 30 * gib, False)
-    runner.worker_infos = [WorkerInfo(1, 1, 0, busy), WorkerInfo(2, 2, 0, None)]
-    assert runner.tightest_device_memory(mine) is busy
-    runner.worker_infos = [WorkerInfo(1, 1, 0, None)]
-    assert runner.tightest_device_memory(mine) is mine
+    executor.worker_infos = [WorkerInfo(1, 1, 0, busy), WorkerInfo(2, 2, 0, None)]
+    assert executor.plan_device_memory(mine) is busy
+    executor.worker_infos = [WorkerInfo(1, 1, 0, None)]
+    assert executor.plan_device_memory(mine) is mine
+
+
+def test_every_sampling_feature_holds_on_two_ranks(tiny_models):
+    """Every SamplingParams feature at once (seeds, n, logprobs, penalties, logit_bias, min_tokens, stop strings
+    and tokens, each kind of structured output), through chunked prefill, prefix caching and preemption (by swap
+    and by recompute): each constraint holds on two ranks, and the greedy outputs are one rank's."""
+    path = str(tiny_models["qwen2"])
+    with LLM(path, **ENGINE_FEATURES, swap_space=0.001) as one:
+        reference = run_features(one)
+    with LLM(path, tensor_parallel_size=2, **ENGINE_FEATURES, swap_space=0.001) as two:
+        outs = run_features(two)
+        stats = two.llm_engine.preemption_stats
+        assert stats.swap > 0 or stats.recompute > 0
+    same_greedy_outputs(outs, reference)
+
+
+def test_engines_made_and_dropped_in_turn_all_generate_and_leave_no_worker(tiny_models):
+    """A notebook's pattern: five tensor-parallel engines, each dropped (no shutdown call) before the next is made.
+    Dropping the last reference stops the workers and leaves the process group, so each next one starts."""
+    import gc
+    import os
+
+    path = str(tiny_models["llama"])
+    seen = []
+    for _ in range(5):
+        llm = LLM(path, tensor_parallel_size=2, **ENGINE)
+        seen += llm.llm_engine.executor.workers.procs
+        seen.append(_outputs(llm, PROMPTS[:1])[0][0])
+        del llm
+        gc.collect()
+        assert not torch.distributed.is_initialized()
+        assert worker_pids(os.getpid()) == []
+    tokens = seen[1::2]
+    assert all(t == tokens[0] and len(t) == 12 for t in tokens)
+    assert all(p.poll() is not None for p in seen[0::2])

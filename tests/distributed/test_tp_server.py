@@ -48,18 +48,55 @@ def completion(url: str, **body) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json={"model": body.pop("model", None) or "m", **body}, timeout=60)
 
 
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"}},
+          "required": ["city", "days"], "additionalProperties": False}
+MESSAGES = [{"role": "user", "content": "The forecast?"}]
+
+
+def check_constraints_served(url: str, name: str, one) -> None:
+    """Through the `openai` client, as a user's script: a json_schema response, a required tool call and a
+    logit_bias hold on two ranks, the greedy ones word for word what one rank (`one`, offline) says."""
+    import jsonschema
+    import openai
+
+    from pagedllm import SamplingParams
+    from pagedllm.structured_output import GuidedDecodingParams
+    from tests.server.test_tool_calls import SCHEMAS, TOOLS, USER
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(
+        model=name, messages=MESSAGES, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "forecast", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+    offline = one.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=60, guided_decoding=GuidedDecodingParams(
+        json=SCHEMA)), use_tqdm=False)[0].outputs[0].text
+    assert reply.choices[0].message.content == offline
+    for seed in range(2):
+        reply = client.chat.completions.create(model=name, messages=[USER], tools=TOOLS, tool_choice="required",
+                                               max_tokens=80, temperature=1.0, seed=seed, parallel_tool_calls=False)
+        [call] = reply.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    biased = client.completions.create(model=name, prompt=[3, 4, 5], max_tokens=6, temperature=0,
+                                       logit_bias={"17": 100})
+    offline = one.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0, max_tokens=6,
+                           logit_bias={17: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert offline.token_ids == [17] * 6 and biased.choices[0].text == offline.text
+
+
 def test_a_killed_worker_fails_its_requests_and_the_server_exits(tiny_models, tmp_path):
+    """Also: structured outputs, tool_choice required and logit_bias on the two ranks (check_constraints_served)."""
     from pagedllm import LLM, SamplingParams
 
     model = tiny_models["llama"]
-    with LLM(str(model), dtype="float32", max_model_len=256) as one:
-        expected = one.generate({"prompt_token_ids": [3, 4, 5, 6]}, SamplingParams(temperature=0, max_tokens=16),
-                                use_tqdm=False)[0].outputs[0].text
+    one = LLM(str(model), dtype="float32", max_model_len=256)
+    expected = one.generate({"prompt_token_ids": [3, 4, 5, 6]}, SamplingParams(temperature=0, max_tokens=16),
+                            use_tqdm=False)[0].outputs[0].text
     proc, url = serve(model, tmp_path)
     try:
         name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         body = {"model": name, "prompt": [3, 4, 5, 6], "max_tokens": 16, "temperature": 0}
         assert completion(url, **body).json()["choices"][0]["text"] == expected  # what one rank says
+        check_constraints_served(url, name, one)
         [worker] = worker_pids(proc.pid)
         events = []
         with httpx.stream("POST", f"{url}/v1/completions", timeout=60,

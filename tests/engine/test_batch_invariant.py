@@ -57,7 +57,7 @@ def test_logprobs_are_the_same_alone_beside_others_and_chunked(model_path, dtype
     for chunk in (512, 8):  # the whole prompt in one step; 8 tokens a step, shared with the other requests
         llm = LLM(model_path, dtype=dtype, device="cpu", max_model_len=128, block_size=4, batch_invariant=True,
                   max_num_batched_tokens=chunk, quantization=quantization)
-        assert llm.llm_engine.runner.attn_backend.name == "cpu"
+        assert llm.llm_engine.executor.driver.attn_backend.name == "cpu"
         runs.append(_seeded_run(llm))
     assert runs[0] == runs[1]
 

@@ -34,8 +34,8 @@ def test_each_step_is_plain_data_and_new_requests_are_sent_once(tiny_models):
     llm = LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=64, max_num_batched_tokens=8)
     engine = llm.llm_engine
     seen: list[StepInput] = []
-    execute = engine.runner.execute_async
-    engine.runner.execute_async = lambda step: seen.append(pickle.loads(pickle.dumps(step))) or execute(step)
+    execute = engine.executor.driver.execute_async
+    engine.executor.driver.execute_async = lambda step: seen.append(pickle.loads(pickle.dumps(step))) or execute(step)
     outs = llm.generate([{"prompt_token_ids": list(range(5, 17))}, {"prompt_token_ids": [3, 4, 5]}],
                         SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     for step in seen:  # survives pickling (what a worker process would receive) and holds no engine object
@@ -46,11 +46,11 @@ def test_each_step_is_plain_data_and_new_requests_are_sent_once(tiny_models):
     assert sorted(sent) == ["0", "1"]  # once each, although both ran several steps (8-token budget: chunked)
     assert seen[0].scheduled[0].num_new_tokens == 8 and not seen[0].scheduled[0].samples
     # The runner keeps its state until told: both finished in the last step, dropped at the next one.
-    assert set(engine.runner.requests) == {"0", "1"}
+    assert set(engine.executor.driver.requests) == {"0", "1"}
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
     llm.generate([{"prompt_token_ids": [7, 8]}], SamplingParams(max_tokens=1), use_tqdm=False)
     assert sorted(seen[-1].finished_request_ids) == ["0", "1"] and [n.request_id for n in seen[-1].new_requests] == ["2"]
-    assert set(engine.runner.requests) == {"2"}
+    assert set(engine.executor.driver.requests) == {"2"}
 
 
 def test_seeded_sampling_is_the_same_with_and_without_preemption(tiny_models):

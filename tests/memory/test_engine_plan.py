@@ -37,7 +37,7 @@ def test_engine_blocks_and_weights_match_the_plan(tiny_models, arch, dtype):
     tied = bool(cfg.tie_word_embeddings)
     assert tied == (arch == "qwen2")
     headers = weight_bytes_from_headers(weight_files(path), torch_dtype, tied)
-    assert engine.runner.weight_bytes == headers == plan.weight_bytes
+    assert engine.executor.driver.weight_bytes == headers == plan.weight_bytes
     assert headers == weight_bytes_from_headers(weight_files(path), torch.float32, tied) * torch_dtype.itemsize // 4
 
     # KV bytes per token by hand.
@@ -53,7 +53,7 @@ def test_engine_blocks_and_weights_match_the_plan(tiny_models, arch, dtype):
     assert plan.fits and expected > 0
     assert plan.num_blocks == expected
     assert engine.kv_cache.pool.num_blocks == expected
-    kv_cache = engine.runner.kv_cache
+    kv_cache = engine.executor.driver.kv_cache
     assert tuple(kv_cache.shape) == (cfg.num_hidden_layers, 2, cfg.num_key_value_heads, expected * bs,
                                      kv_cache.shape[-1])
     assert kv_cache.dtype == torch_dtype
@@ -63,7 +63,7 @@ def test_engine_blocks_and_weights_match_the_plan(tiny_models, arch, dtype):
     dry = dry_run_plan(EngineArgs(model=str(path), dtype=dtype, max_model_len=64), device="cpu",
                        device_memory="8GiB")
     assert dry.model.weights_source == "safetensors headers"
-    assert dry.weight_bytes == engine.runner.weight_bytes and dry.kv_bytes_per_token == kv
+    assert dry.weight_bytes == engine.executor.driver.weight_bytes and dry.kv_bytes_per_token == kv
 
 
 def test_kv_cache_memory_decides_the_blocks(tiny_models):
@@ -74,7 +74,7 @@ def test_kv_cache_memory_decides_the_blocks(tiny_models):
     plan = llm.memory_plan
     assert plan.kv_budget_bytes == budget
     assert llm.llm_engine.kv_cache.pool.num_blocks == plan.num_blocks == budget // (16 * kv) == 62
-    assert llm.llm_engine.runner.kv_cache.shape[3] == 62 * 16
+    assert llm.llm_engine.executor.driver.kv_cache.shape[3] == 62 * 16
 
 
 def test_auto_max_model_len_with_kv_cache_memory(tiny_models):
@@ -113,7 +113,7 @@ def test_too_small_kv_cache_memory_raises_with_the_max_seq_len_message(tiny_mode
 def test_num_gpu_blocks_override_is_used_as_is(tiny_models):
     llm = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64, num_gpu_blocks_override=9)
     assert llm.memory_plan.num_blocks == llm.llm_engine.kv_cache.pool.num_blocks == 9
-    assert llm.llm_engine.runner.kv_cache.shape[3] == 9 * 16
+    assert llm.llm_engine.executor.driver.kv_cache.shape[3] == 9 * 16
     with pytest.raises(KVCacheMemoryError, match=r"^The model's max seq len \(64\)"):
         LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64, num_gpu_blocks_override=3)
 

@@ -26,7 +26,7 @@ def kv_per_token_by_hand(path, itemsize: int) -> int:
 
 def assert_allocation_is_the_plan(llm: LLM, dtype: torch.dtype) -> None:
     engine, plan = llm.llm_engine, llm.memory_plan
-    kv_cache = engine.runner.kv_cache
+    kv_cache = engine.executor.driver.kv_cache
     assert kv_cache.dtype == dtype == plan.settings.kv_dtype
     assert kv_cache.numel() * kv_cache.element_size() == plan.kv_cache_bytes
     assert kv_cache.shape[3] == plan.max_tokens_in_cache == plan.num_blocks * plan.settings.block_size

@@ -21,6 +21,7 @@ from pagedllm.model_executor.attention import (
 )
 from pagedllm.model_executor.attention import cpu_backend as cpu_backend_module
 from pagedllm.model_executor.attention.cpu_backend import CpuAttentionBackend
+from pagedllm.model_executor.cpu_isa import available_cpu_isas
 from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.utils import cdiv
 
@@ -61,7 +62,7 @@ def _run(attn, step, q, k, v, use_kernel: bool):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 64), (8, 8, 128), (6, 2, 32), (16, 1, 96), (4, 2, 256), (4, 1, 80)])
 @pytest.mark.parametrize("block_size", [16, 12])
-def test_decode_kernel_matches_the_pytorch_path(dtype, tol, heads, kv_heads, head_dim, block_size):
+def test_decode_kernel_matches_the_pytorch_path(dtype, tol, heads, kv_heads, head_dim, block_size, kernel_path):
     assert cpu_kernels() is not None, "the C++ kernels must build on this machine (gcc and Python headers)"
     gen = torch.Generator().manual_seed(0)
     num_blocks = 200
@@ -143,13 +144,13 @@ def test_cpu_backend_is_chosen_only_where_its_kernels_apply():
 
 def test_kernels_off_by_environment(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
-    cpu_kernels.cache_clear()
+    cpu_kernels_module.load_cpu_kernels.cache_clear()
     try:
         assert cpu_kernels() is None
         assert "could not be built" in unsupported_reason("cpu", _shape())
         assert select_attention_backend("auto", _shape()).name == "torch"
     finally:
-        cpu_kernels.cache_clear()
+        cpu_kernels_module.load_cpu_kernels.cache_clear()
 
 
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
@@ -159,14 +160,14 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
         raise RuntimeError("Error building extension 'pagedllm_cpu': g++: command not found")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
-    cpu_kernels.cache_clear()
+    cpu_kernels_module.load_cpu_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_kernels_module.__name__):
             assert cpu_kernels() is None
         assert "g++: command not found" in caplog.text and "PyTorch ops instead" in caplog.text
     finally:
         monkeypatch.undo()
-        cpu_kernels.cache_clear()
+        cpu_kernels_module.load_cpu_kernels.cache_clear()
     assert cpu_kernels() is not None  # built again from the disk cache once the builder works
     assert cpu_backend_module.cpu_kernels is cpu_kernels
 
@@ -183,21 +184,21 @@ def test_a_lock_left_by_an_interrupted_build_is_removed(monkeypatch, tmp_path, c
     seen = []
     monkeypatch.setattr(torch.utils.cpp_extension, "load_inline",
                         lambda name, **kwargs: seen.append((tmp_path / name / "lock").exists()) or object())
-    lock = tmp_path / f"pagedllm_cpu_{cpu_kernels_module._cpu_signature()}" / "lock"
+    lock = tmp_path / cpu_kernels_module.build_name() / "lock"
     lock.parent.mkdir()
     try:
         lock.touch()
-        cpu_kernels.cache_clear()
+        cpu_kernels_module.load_cpu_kernels.cache_clear()
         assert cpu_kernels() is not None and seen == [True]  # a fresh lock: another build owns it
         hour_ago = time.time() - 3600
         os.utime(lock, (hour_ago, hour_ago))
-        cpu_kernels.cache_clear()
+        cpu_kernels_module.load_cpu_kernels.cache_clear()
         with caplog.at_level(logging.WARNING, logger=cpu_kernels_module.__name__):
             assert cpu_kernels() is not None and seen == [True, False]
         assert "interrupted kernel build" in caplog.text and not lock.exists()
     finally:
         monkeypatch.undo()
-        cpu_kernels.cache_clear()
+        cpu_kernels_module.load_cpu_kernels.cache_clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,18 +347,25 @@ def test_argmax_kernel_refuses_what_it_cannot_read():
     with pytest.raises(RuntimeError, match="contiguous rows"):
         kernels.argmax_rows(torch.zeros(4))
 
-needs_packed_linear = pytest.mark.skipif(
-    cpu_kernels() is None or not (cpu_kernels().packed_linear_supported() or cpu_kernels().packed_linear_fma_supported()),
-    reason="neither AMX / AVX512-BF16 nor AVX2 / FMA here: pack_linear_weights uses oneDNN or fp32 (test_layers)")
+# The paths of packed_linear.cpp this machine can run: AMX where it has it, and the AVX2 / FMA one (what
+# every CPU without AMX runs, AVX-512 ones included) forced below it with PAGEDLLM_CPU_ISA.
+KERNEL_PATHS = [p for p in available_cpu_isas() if p in ("amx", "avx2")]
+
+
+@pytest.fixture(params=KERNEL_PATHS or [pytest.param(None, marks=pytest.mark.skip(
+    reason="neither AMX / AVX512-BF16 nor AVX2 / FMA here: pack_linear_weights uses oneDNN or fp32 (test_layers)"))])
+def kernel_path(request, monkeypatch) -> str:
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", request.param)
+    assert cpu_kernels().packed_linear_supported() == (request.param == "amx")
+    return request.param
 
 
 # Whichever path this CPU has. AMX: the dot-product path (1-4), one to four AMX row tiles with a padded
 # last one (5, 16, 17, 33, 64), and row bands of 32 x 32 blocks with ragged ends (65, 100, 300). AVX2 /
 # FMA: the few-row tiles (1-4), 4-row tiles with ragged ends (5, 17, 33, 65, 100), 128-row bands (300).
-@needs_packed_linear
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 17, 33, 64, 65, 100, 300])
 @pytest.mark.parametrize("n,k", [(1152, 896), (48, 64), (16, 4864)])  # odd column-block counts at 48 and 16
-def test_packed_linear_is_the_linear_product(rows, n, k):
+def test_packed_linear_is_the_linear_product(rows, n, k, kernel_path):
     gen = torch.Generator().manual_seed(rows)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16)
@@ -375,8 +383,7 @@ def test_packed_linear_is_the_linear_product(rows, n, k):
     assert kernels.packed_linear(x.view(1, rows, k), packed, None).shape == (1, rows, n)
 
 
-@needs_packed_linear
-def test_packed_embedding_reads_the_rows_back():
+def test_packed_embedding_reads_the_rows_back(kernel_path):
     gen = torch.Generator().manual_seed(1)
     table = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
     kernels = cpu_kernels()
@@ -389,8 +396,7 @@ def test_packed_embedding_reads_the_rows_back():
         kernels.packed_embedding(torch.tensor([-1]), packed)
 
 
-@needs_packed_linear
-def test_packed_linear_refuses_what_it_cannot_multiply():
+def test_packed_linear_refuses_what_it_cannot_multiply(kernel_path):
     kernels = cpu_kernels()
     with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):
         kernels.pack_linear_weight(torch.zeros(40, 64, dtype=torch.bfloat16))
@@ -408,9 +414,8 @@ def test_packed_linear_refuses_what_it_cannot_multiply():
     assert kernels.packed_linear(torch.zeros(0, 64, dtype=torch.bfloat16), packed, None).shape == (0, 32)
 
 
-@needs_packed_linear
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 33, 64, 65, 100])
-def test_packed_silu_mul_is_silu_and_mul_of_the_product(rows):
+def test_packed_silu_mul_is_silu_and_mul_of_the_product(rows, kernel_path):
     """Gate / up blocks alternating in the packed weight: SiLU(gate) * up straight out of the product,
     the same bits as the Linear's output put through silu_and_mul."""
     gen = torch.Generator().manual_seed(rows)
@@ -442,7 +447,7 @@ def test_cpu_engines_get_the_native_ops_once_at_load(tiny_models):
     from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
     from pagedllm.model_executor.models.llama import LlamaMLP
 
-    model = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64).llm_engine.runner.model
+    model = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64).llm_engine.executor.driver.model
     bound = {type(m): m for m in model.modules() if type(m) in (RMSNorm, RotaryEmbedding, LlamaMLP)}
     assert bound[RMSNorm].forward.__func__ is cpu_ops._native_rms_norm
     assert bound[RotaryEmbedding].rotate.__func__ is cpu_ops._native_rotate
@@ -452,6 +457,23 @@ def test_cpu_engines_get_the_native_ops_once_at_load(tiny_models):
     assert fresh.forward.__func__ is RMSNorm.forward  # the class: the reference
 
 
+def test_no_native_ops_under_cpu_isa_none(tiny_models, monkeypatch):
+    """PAGEDLLM_CPU_ISA=none: no native kernel anywhere (the PyTorch reference ops, the torch attention backend),
+    and the cpu backend refused by that name."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.model_executor.layers import RMSNorm
+
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "none")
+    llm = LLM(str(tiny_models["qwen3"]), dtype="bfloat16", max_model_len=64)
+    runner = llm.llm_engine.executor.driver
+    assert runner.attn_backend.name == "torch"
+    assert all(m.forward.__func__ is RMSNorm.forward for m in runner.model.modules() if type(m) is RMSNorm)
+    assert "PAGEDLLM_CPU_ISA=none" in unsupported_reason("cpu", _shape())
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
 def test_no_native_ops_without_the_kernels(tiny_models, monkeypatch):
     from pagedllm import LLM
     from pagedllm.model_executor import cpu_ops
@@ -459,12 +481,13 @@ def test_no_native_ops_without_the_kernels(tiny_models, monkeypatch):
 
     monkeypatch.setattr(cpu_ops, "cpu_kernels", lambda: None)
     model = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64,
-                attention_backend="torch").llm_engine.runner.model
+                attention_backend="torch").llm_engine.executor.driver.model
     assert all(m.forward.__func__ is RMSNorm.forward for m in model.modules() if type(m) is RMSNorm)
 
 
-def test_the_kernel_cache_name_is_keyed_by_the_cpu_and_the_torch_build(monkeypatch):
-    """Two venvs (two torch installs) keep two builds instead of rebuilding one at every switch."""
+def test_the_kernel_cache_name_is_keyed_by_the_cpu_the_torch_build_and_the_source(monkeypatch):
+    """Two venvs (two torch installs), or two versions of the kernels, keep two builds instead of rebuilding one
+    at every switch."""
     import torch
 
     here = cpu_kernels_module._cpu_signature()
@@ -474,4 +497,7 @@ def test_the_kernel_cache_name_is_keyed_by_the_cpu_and_the_torch_build(monkeypat
     monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", "0.0.0+other")
     other_version = cpu_kernels_module._cpu_signature()
-    assert len({here, other_venv, other_version}) == 3
+    monkeypatch.undo()
+    other_source = cpu_kernels_module._cpu_signature("// another version of the kernels")
+    assert len({here, other_venv, other_version, other_source}) == 4
+    assert cpu_kernels_module.build_name() == f"pagedllm_cpu_{cpu_kernels_module._cpu_signature(cpu_kernels_module.kernel_source())}"

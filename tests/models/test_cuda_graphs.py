@@ -46,7 +46,7 @@ def _generate(path, enforce_eager, params_of, **kwargs):
 
 def _replays(llm) -> dict[int, int]:
     """Count the replays of each graph size from here on."""
-    graphs, counts = llm.llm_engine.runner.graphs, {}
+    graphs, counts = llm.llm_engine.executor.driver.graphs, {}
     original = graphs.get
 
     def counting_get(batch_size):
@@ -69,7 +69,7 @@ def test_tokens_with_graphs_equal_tokens_without(tiny_models, arch, sampling):
         return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=n, ignore_eos=True, logprobs=1, seed=n)
 
     eager_llm, eager = _generate(tiny_models[arch], True, params_of)
-    assert eager_llm.llm_engine.runner.graphs is None
+    assert eager_llm.llm_engine.executor.driver.graphs is None
     llm = LLM(str(tiny_models[arch]), dtype="float32", max_model_len=64, attention_backend="triton", max_num_seqs=8)
     counts = _replays(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [params_of(n) for n in MAX_TOKENS],
@@ -80,7 +80,7 @@ def test_tokens_with_graphs_equal_tokens_without(tiny_models, arch, sampling):
     for (_, lps), (_, ref) in zip(graphed, eager):
         assert max(abs(a - b) for a, b in zip(lps, ref)) < 1e-5
     assert set(counts) == {1, 2, 4, 8} and sum(counts.values()) == max(MAX_TOKENS) - 1
-    assert sorted(llm.llm_engine.runner.graphs.steps) == [1, 2, 4, 8]
+    assert sorted(llm.llm_engine.executor.driver.graphs.steps) == [1, 2, 4, 8]
     llm.llm_engine.check_integrity()
 
 
@@ -91,7 +91,7 @@ def test_padded_rows_write_only_the_null_block(tiny_models):
     params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)  # noqa: E731
     eager_llm, _ = _generate(tiny_models["llama"], True, params, enable_prefix_caching=False)
     llm, _ = _generate(tiny_models["llama"], False, params, enable_prefix_caching=False)
-    runner, eager_runner = llm.llm_engine.runner, eager_llm.llm_engine.runner
+    runner, eager_runner = llm.llm_engine.executor.driver, eager_llm.llm_engine.executor.driver
     num_blocks, block = llm.llm_engine.memory_plan.num_blocks, runner.block_size
     assert runner.null_block == num_blocks and eager_runner.null_block is None
     assert runner.kv_cache.shape[3] == (num_blocks + 1) * block
@@ -106,12 +106,12 @@ def test_padded_rows_write_only_the_null_block(tiny_models):
 
 def test_graphs_off_for_enforce_eager_and_backends_that_cannot(tiny_models):
     path = str(tiny_models["llama"])
-    assert LLM(path, attention_backend="triton", enforce_eager=True).llm_engine.runner.graphs is None
-    runner = LLM(path, attention_backend="torch").llm_engine.runner
+    assert LLM(path, attention_backend="triton", enforce_eager=True).llm_engine.executor.driver.graphs is None
+    runner = LLM(path, attention_backend="torch").llm_engine.executor.driver
     assert runner.graphs is None
     assert runner.graphs_off_reason() == "the torch attention backend builds its inputs on the host each step"
     assert LLM(path, attention_backend="triton", max_num_seqs=12,
-               cuda_graph_sizes=[1, 4]).llm_engine.runner.graphs.sizes == (1, 4)
+               cuda_graph_sizes=[1, 4]).llm_engine.executor.driver.graphs.sizes == (1, 4)
 
 
 def test_steps_past_the_largest_size_run_eagerly(tiny_models):

@@ -89,7 +89,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]):
 
 def test_decoder_linears_are_int8_and_the_rest_stays_in_the_model_dtype(tiny_models):
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", max_model_len=64, quantization="int8")
-    model = llm.llm_engine.runner.model
+    model = llm.llm_engine.executor.driver.model
     for layer in model.decoder_layers():
         assert not [m for m in layer.modules() if isinstance(m, nn.Linear)]
         quantized = [m for m in layer.modules() if isinstance(m, Int8Linear)]
@@ -135,9 +135,9 @@ def test_plan_weight_bytes_equal_what_the_engine_holds(tiny_models, arch, dtype)
     path = tiny_models[arch]
     torch_dtype = getattr(torch, dtype)
     llm = LLM(str(path), dtype=dtype, max_model_len=64, quantization="int8")
-    held = llm.llm_engine.runner.weight_bytes
+    held = llm.llm_engine.executor.driver.weight_bytes
     assert llm.memory_plan.weight_bytes == held
-    full = LLM(str(path), dtype=dtype, max_model_len=64).llm_engine.runner.weight_bytes
+    full = LLM(str(path), dtype=dtype, max_model_len=64).llm_engine.executor.driver.weight_bytes
     assert held < full
     # Before loading: the safetensors headers, and the config's shapes.
     headers = dry_run_plan(EngineArgs(model=str(path), dtype=dtype, max_model_len=64, quantization="int8"),
@@ -146,7 +146,7 @@ def test_plan_weight_bytes_equal_what_the_engine_holds(tiny_models, arch, dtype)
     assert weight_bytes_from_config(load_hf_config(path), torch_dtype, "int8") == held
     # Dummy weights (a bare config.json) are quantized too, to the same bytes.
     dummy = LLM(str(path / "config.json"), load_format="dummy", dtype=dtype, max_model_len=64, quantization="int8")
-    assert dummy.llm_engine.runner.weight_bytes == held
+    assert dummy.llm_engine.executor.driver.weight_bytes == held
 
 
 def test_bad_quantization_values_are_refused(tiny_models):

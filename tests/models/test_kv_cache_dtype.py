@@ -113,7 +113,7 @@ def test_checkpoint_scales_are_used_on_write_and_read(tmp_path):
     for name, path in (("plain", plain), ("scaled", scaled)):
         llm = LLM(str(path), dtype="float32", max_model_len=64, kv_cache_dtype="fp8", num_gpu_blocks_override=8)
         llm.generate({"prompt_token_ids": list(range(30, 50))}, params, use_tqdm=False)
-        runs[name] = llm.llm_engine.runner
+        runs[name] = llm.llm_engine.executor.driver
     layers = runs["scaled"].model.attention_layers()
     assert [(a.k_scale, a.v_scale) for a in layers] == [(0.5, 0.25), (2.0, 2.0)]
     assert all((a.k_scale, a.v_scale) == (1.0, 1.0) for a in runs["plain"].model.attention_layers())
@@ -174,8 +174,8 @@ def test_narrow_caches_stay_close_to_the_auto_run(tiny_models, arch, model_dtype
     for cache_dtype in (["bfloat16"] if model_dtype == "float32" else []) + ["fp8_e4m3", "fp8_e5m2"]:
         min_top1, max_diff, max_mean = TOLERANCES[cache_dtype]
         llm = LLM(path, dtype=model_dtype, max_model_len=64, kv_cache_dtype=cache_dtype)
-        kv_cache = llm.llm_engine.runner.kv_cache
-        assert kv_cache.dtype == llm.llm_engine.config.kv_cache_dtype != base.llm_engine.runner.kv_cache.dtype
+        kv_cache = llm.llm_engine.executor.driver.kv_cache
+        assert kv_cache.dtype == llm.llm_engine.config.kv_cache_dtype != base.llm_engine.executor.driver.kv_cache.dtype
         forced = _teacher_forced(llm, continuations)
         diffs = [abs(a - b) for (a, _), (b, _) in zip(forced, ref_forced)]
         top1 = sum(rank == 1 for _, rank in forced) / len(forced)

@@ -7,16 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model_executor import cpu_ops as layers
+from pagedllm.model_executor.cpu_isa import CPU_ISAS, CpuIsaError, available_cpu_isas, cpu_isa
 from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.model_executor.cpu_ops import pack_linear_weights
 
-needs_bf16_mkldnn = pytest.mark.skipif(
-    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-    reason="this CPU has no oneDNN bf16 support: its packing is not used here (the kernels' packing and the "
-           "fp32 route are tested below)")
-needs_packed_linear = pytest.mark.skipif(
-    cpu_kernels() is None or not (cpu_kernels().packed_linear_supported() or cpu_kernels().packed_linear_fma_supported()),
-    reason="neither AMX / AVX512-BF16 nor AVX2 / FMA here: only the oneDNN packing or fp32 applies")
+OWN_KERNELS = ("amx", "avx2")  # the paths whose weights cpu_kernels packs (packed_linear.cpp)
 
 
 class _TiedModel(nn.Module):
@@ -33,77 +28,89 @@ def _model(vocab: int = 300) -> _TiedModel:
     return _TiedModel(vocab).to(torch.bfloat16).eval()
 
 
-@needs_bf16_mkldnn
+def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> None:
+    """Within bf16 rounding of the product in fp32 (what every path approximates)."""
+    expected = F.linear(x.float(), w.float(), None if b is None else b.float())
+    torch.testing.assert_close(got.float(), expected, rtol=1.6e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 32, 40])
-@pytest.mark.parametrize("packing", ["cpu_kernels", "onednn"])
-def test_packed_and_tied_linears_match_plain_linear(rows, packing, monkeypatch):
-    """A 300-row tied head is not whole 16-column blocks: it keeps its plain weight either way."""
-    if packing == "onednn":  # as on a machine where the kernels cannot be built
-        monkeypatch.setattr(layers, "cpu_kernels", lambda: None)
+def test_a_head_not_in_whole_blocks_keeps_its_plain_weight(rows, cpu_path):
+    """Every path: a 300-row tied head is not whole 16-column blocks, so it keeps its plain weight (one copy with
+    the embedding); the untied projection is re-laid except with no kernels (`none`: fp32 products instead)."""
     model = _model()
     plain_proj_w, plain_proj_b = model.proj.weight.detach().clone(), model.proj.bias.detach().clone()
     packed = pack_linear_weights(model)
-    assert packed == 96 * 64 * 2  # only the untied projection is re-laid; the tied head keeps its weight
+    assert packed == (0 if cpu_path == "none" else 96 * 64 * 2)
     assert model.head.weight is model.embed.weight and model.head.weight.numel() == 300 * 64
+    # No bf16 arithmetic (avx2, none): many rows of the head multiply in fp32 (upcast_linear).
+    assert hasattr(model.head, "plain_forward") == (cpu_path in ("avx2", "none"))
+    assert (model.proj.weight.numel() == 0) == (cpu_path != "none")
+    if cpu_path in OWN_KERNELS:
+        assert model.proj.packed_weight.shape == (96 // 16, 32, 16, 2)
     x = torch.randn(rows, 64).to(torch.bfloat16)
     with torch.inference_mode():
-        torch.testing.assert_close(model.proj(x), F.linear(x, plain_proj_w, plain_proj_b), rtol=1.6e-2, atol=1e-2)
-        torch.testing.assert_close(model.head(x), F.linear(x, model.embed.weight), rtol=1.6e-2, atol=1e-2)
+        _close(model.proj(x), x, plain_proj_w, plain_proj_b)
+        _close(model.head(x), x, model.embed.weight)
 
 
-@needs_packed_linear
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_a_tied_head_is_packed_once_for_head_and_embedding(rows):
+def test_a_tied_head_in_whole_blocks_is_packed_once_for_head_and_embedding(rows, cpu_path):
+    """amx and avx2 (cpu_kernels' layout): a tied head in whole blocks is packed once, and the embedding reads its
+    rows back out of it. avx512_bf16 (oneDNN's layout, which an embedding cannot read) keeps it plain; none packs
+    nothing."""
     model = _model(vocab=320)
     table = model.embed.weight.detach().clone()
     plain_proj_w, plain_proj_b = model.proj.weight.detach().clone(), model.proj.bias.detach().clone()
-    assert pack_linear_weights(model) == (96 + 320) * 64 * 2  # the shared table counted once
-    assert model.embed.packed_weight is model.head.packed_weight
-    assert model.head.weight.numel() == 0 and model.embed.weight is model.head.weight
+    expected = {"amx": (96 + 320) * 64 * 2, "avx2": (96 + 320) * 64 * 2, "avx512_bf16": 96 * 64 * 2, "none": 0}
+    assert pack_linear_weights(model) == expected[cpu_path]  # the shared table counted once
+    if cpu_path in OWN_KERNELS:
+        assert model.embed.packed_weight is model.head.packed_weight
+        assert model.head.weight.numel() == 0 and model.embed.weight is model.head.weight
+    else:
+        assert model.head.weight is model.embed.weight and model.head.weight.numel() == 320 * 64
     ids = torch.tensor([0, 319, 17, 17])
     x = torch.randn(rows, 64).to(torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(model.embed(ids), table[ids])
-        torch.testing.assert_close(model.head(x), F.linear(x, table), rtol=1.6e-2, atol=1e-2)
-        torch.testing.assert_close(model.proj(x), F.linear(x, plain_proj_w, plain_proj_b), rtol=1.6e-2, atol=1e-2)
+        _close(model.head(x), x, table)
+        _close(model.proj(x), x, plain_proj_w, plain_proj_b)
 
 
-@needs_packed_linear
 @pytest.mark.parametrize("rows", [1, 64])
-def test_gate_up_packed_for_the_fused_silu(rows):
-    """A Linear marked feeds_silu_and_mul: its forward is still the [gate | up] product, and its
-    fused_silu_and_mul gives SiLU(gate) * up of that product, bit for bit."""
+def test_gate_up_packed_for_the_fused_silu(rows, cpu_path):
+    """A Linear marked feeds_silu_and_mul: its forward is the [gate | up] product on every path; where
+    cpu_kernels pack it (amx, avx2) it gains fused_silu_and_mul, SiLU(gate) * up of that product, bit for bit."""
     torch.manual_seed(0)
     gate_up = nn.Linear(64, 2 * 48, bias=True).to(torch.bfloat16)
     gate_up.feeds_silu_and_mul = True
     plain_w, plain_b = gate_up.weight.detach().clone(), gate_up.bias.detach().clone()
-    assert pack_linear_weights(gate_up) == 96 * 64 * 2
+    assert pack_linear_weights(gate_up) == (0 if cpu_path == "none" else 96 * 64 * 2)
+    assert hasattr(gate_up, "fused_silu_and_mul") == (cpu_path in OWN_KERNELS)
     x = torch.randn(rows, 64).to(torch.bfloat16)
     with torch.inference_mode():
         product = gate_up(x)
-        torch.testing.assert_close(product, F.linear(x, plain_w, plain_b), rtol=1.6e-2, atol=1e-2)
-        assert torch.equal(gate_up.fused_silu_and_mul(x), cpu_kernels().silu_and_mul(product))
+        _close(product, x, plain_w, plain_b)
+        if cpu_path in OWN_KERNELS:
+            assert torch.equal(gate_up.fused_silu_and_mul(x), cpu_kernels().silu_and_mul(product))
 
 
-@needs_packed_linear
-@pytest.mark.parametrize("rows", [1, 3, 5, 40])
-def test_without_onednn_bf16_whole_block_weights_go_to_the_kernels(rows, monkeypatch):
-    """A CPU without oneDNN bf16 (AVX2 only; where AMX is there, its kernels): whole-block weights are
-    packed for cpu_kernels; a 300-row tied head (not whole blocks) keeps its plain weight, and without
-    AMX multiplies many rows in fp32."""
-    monkeypatch.setattr(layers, "_onednn_bf16", lambda: False)
-    model = _model()
-    plain_proj_w, plain_proj_b = model.proj.weight.detach().clone(), model.proj.bias.detach().clone()
-    assert pack_linear_weights(model) == 96 * 64 * 2
-    assert model.proj.weight.numel() == 0 and model.proj.packed_weight.shape == (96 // 16, 32, 16, 2)
-    assert model.head.weight is model.embed.weight and model.head.weight.numel() == 300 * 64
-    assert hasattr(model.head, "plain_forward") == (not cpu_kernels().packed_linear_supported())
-    x = torch.randn(rows, 64).to(torch.bfloat16)
-    with torch.inference_mode():
-        torch.testing.assert_close(model.proj(x), F.linear(x.float(), plain_proj_w.float(), plain_proj_b.float()).bfloat16(),
-                                   rtol=1.6e-2, atol=1e-2)
-        torch.testing.assert_close(model.head(x), F.linear(x.float(), model.embed.weight.float()).bfloat16(),
-                                   rtol=1.6e-2, atol=1e-2)
+def test_a_path_above_the_machines_is_refused(monkeypatch):
+    """PAGEDLLM_CPU_ISA may only lower the path: a higher one (or a name that is none) is refused, naming what
+    this machine can run."""
+    best = available_cpu_isas()[0]
+    higher = CPU_ISAS[CPU_ISAS.index(best) + 1:]
+    for name in higher:
+        monkeypatch.setenv("PAGEDLLM_CPU_ISA", name)
+        with pytest.raises(CpuIsaError, match=f"best CPU path is {best}; it can run {best}"):
+            cpu_isa()
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "avx1024")
+    with pytest.raises(CpuIsaError, match="'avx1024' is not a CPU path: use one of amx, avx512_bf16, avx2, none"):
+        cpu_isa()
+    monkeypatch.setenv("PAGEDLLM_CPU_ISA", "none")
+    assert cpu_isa() == "none" and cpu_kernels() is None
+    monkeypatch.delenv("PAGEDLLM_CPU_ISA")
+    assert cpu_isa() == best
 
 
 def test_float32_weights_are_left_alone():
@@ -122,7 +129,7 @@ def test_vocab_major_logits_are_the_lm_heads_product(tmp_path, rows):
 
     for tied in (True, False):
         path = make_tiny_model(tmp_path / f"tied{tied}", "llama", tie_word_embeddings=tied)
-        model = LLM(str(path), dtype="bfloat16", max_model_len=64).llm_engine.runner.model
+        model = LLM(str(path), dtype="bfloat16", max_model_len=64).llm_engine.executor.driver.model
         hidden = torch.randn(rows, model.config.hidden_size).to(torch.bfloat16)
         with torch.inference_mode():
             plain, vocab_major = model.compute_logits(hidden), model.compute_logits(hidden, vocab_major=True)

@@ -66,11 +66,11 @@ def test_offloaded_layers_count():
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_offloaded_run_is_identical_and_keeps_the_last_layers_on_the_host(four_layers, quantization):
     reference = _greedy(_engine(four_layers, 0, quantization))
-    layer_bytes = param_bytes(_engine(four_layers, 0, quantization).runner.model.decoder_layers()[0])
+    layer_bytes = param_bytes(_engine(four_layers, 0, quantization).executor.driver.model.decoder_layers()[0])
     engine = _engine(four_layers, 3 * layer_bytes + 1, quantization)
-    layers = engine.runner.model.decoder_layers()
-    offloads = engine.runner.model.layer_offloads
-    assert len(offloads) == 3 and engine.runner.offloaded_weight_bytes == 3 * layer_bytes
+    layers = engine.executor.driver.model.decoder_layers()
+    offloads = engine.executor.driver.model.layer_offloads
+    assert len(offloads) == 3 and engine.executor.driver.offloaded_weight_bytes == 3 * layer_bytes
     # Each offloaded layer's parameters are views into one flat host buffer.
     for offload in offloads:
         start, end = offload.buffer.data_ptr(), offload.buffer.data_ptr() + offload.buffer.numel()
@@ -98,7 +98,7 @@ def test_offloaded_run_is_identical_and_keeps_the_last_layers_on_the_host(four_l
     cfg = engine.config.model.hf_config
     assert layer_weight_bytes_from_config(cfg, engine.config.model.dtype, quantization) == layer_bytes
     assert plan.offloaded_layers == 3 and plan.offloaded_weight_bytes == 3 * layer_bytes
-    runner = engine.runner
+    runner = engine.executor.driver
     assert plan.weight_bytes == runner.weight_bytes - runner.offloaded_weight_bytes + 2 * layer_bytes
     assert 2 * layer_bytes <= runner.offload_slot_bytes <= 2 * layer_bytes + 2 * 256 * len(offloads[0].host)
     assert "3 of 4 layers" in plan.table() and "through 2 device slots" in plan.table()
@@ -108,22 +108,22 @@ def test_offloaded_layers_run_in_any_number_and_after_a_failed_forward(four_laye
     """One offloaded layer (one slot), all four (the first one is offloaded too), and a forward that
     raises midway: the next forward still computes the same tokens."""
     reference = _greedy(_engine(four_layers, 0))
-    layer_bytes = param_bytes(_engine(four_layers, 0).runner.model.decoder_layers()[0])
+    layer_bytes = param_bytes(_engine(four_layers, 0).executor.driver.model.decoder_layers()[0])
     for n in (1, 4):
         engine = _engine(four_layers, n * layer_bytes)
-        assert len(engine.runner.model.layer_offloads) == n
-        assert len(engine.runner.model.layer_offloader.slots) == min(n, 2)
+        assert len(engine.executor.driver.model.layer_offloads) == n
+        assert len(engine.executor.driver.model.layer_offloader.slots) == min(n, 2)
         assert _greedy(engine) == reference
 
     engine = _engine(four_layers, 3 * layer_bytes)
-    layers = engine.runner.model.decoder_layers()
+    layers = engine.executor.driver.model.decoder_layers()
     hook = layers[2].register_forward_pre_hook(lambda module, args: (_ for _ in ()).throw(RuntimeError("boom")))
     meta = build_attention_metadata([0], [2], [[0]], engine.config.cache.block_size, torch.device("cpu"),
-                                    engine.runner.attn_backend)
+                                    engine.executor.driver.attn_backend)
     with pytest.raises(RuntimeError, match="boom"), forward_context(meta), torch.inference_mode():
-        engine.runner.model(torch.tensor([5, 6]), meta.positions)  # layer 1 ran from its slot, then 2 raised
+        engine.executor.driver.model(torch.tensor([5, 6]), meta.positions)  # layer 1 ran from its slot, then 2 raised
     hook.remove()
-    host = engine.runner.model.layer_offloads
+    host = engine.executor.driver.model.layer_offloads
     assert _greedy(engine) == reference
     assert all(p.data_ptr() == view.data_ptr() for h in host for p, view in h.host)  # none left on a slot
 

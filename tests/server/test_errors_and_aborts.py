@@ -271,6 +271,10 @@ def test_streaming_clients_that_disconnect_are_aborted(server_url, http, expecte
             # Leaving the block closed the connection with the response half read.
     mem = wait_until(lambda: kv_idle(http), "the disconnected streams' blocks to be freed")
     assert mem["kv_cache_usage"]["blocks_free"] == mem["kv_cache_usage"]["blocks_total"]
+    # The gauges say so too: the last requests ended by abort, after which no step ran (an idle server must
+    # not look busy to dashboards and autoscalers).
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert metric(server_url, f"pagedllm:{gauge}") == 0, gauge
     assert finished_requests(server_url) == finished_before, "a disconnected stream ran to completion"
     assert metric(server_url, "pagedllm:generation_tokens_total") - tokens_before < clients * n * max_tokens
     assert greedy(http) == expected_greedy

@@ -229,6 +229,11 @@ def test_echo_with_logprobs_scores_the_prompt(http, reference_llm):
     assert r["usage"]["prompt_tokens"] == len(ids)
     assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["tokens"]) == len(ids) + 1
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    # Every token is a string, the first prompt token's too (OpenAI's schema; vLLM decodes it).
+    tokens, offsets = lp["tokens"], lp["text_offset"]
+    assert all(isinstance(t, str) for t in tokens) and tokens[0] == http.post(
+        "/detokenize", json={"tokens": ids[:1]}).json()["prompt"]
+    assert offsets == sorted(offsets) and offsets[1] == len(tokens[0])
     assert all(isinstance(x, float) and x <= 0 for x in lp["token_logprobs"][1:])
     assert all(isinstance(t, dict) and 1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
 

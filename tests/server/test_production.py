@@ -184,6 +184,30 @@ def test_beyond_max_waiting_requests_a_request_gets_503_and_a_gone_client_is_nev
     http.close()
 
 
+def test_a_burst_past_max_waiting_requests_gets_exactly_the_overflow_refused(start):
+    """12 completions sent at once against one running sequence and a queue of 2: a request counts against
+    --max-waiting-requests from its admission, before its prompt is tokenized, so the ones past the queue get 503
+    with Retry-After (all passed the check before any was queued when it read only the engine's queue)."""
+    import asyncio
+
+    _, url, _ = start("--max-num-seqs", "1", "--max-waiting-requests", "2")
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120) as client:
+            body = {"prompt": "hello world " * 5, "max_tokens": 64, "ignore_eos": True}
+            return await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(12)))
+
+    for _ in range(2):  # every time
+        responses = asyncio.run(burst())
+        statuses = [r.status_code for r in responses]
+        assert 400 not in statuses, responses[statuses.index(400)].text
+        refused = [r for r in responses if r.status_code == 503]
+        assert set(statuses) <= {200, 503} and statuses.count(200) >= 2 and refused, statuses
+        assert all(int(r.headers["retry-after"]) > 0 and "--max-waiting-requests" in r.text for r in refused)
+    r = httpx.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200  # nothing left counted once the burst is over
+
+
 # -- graceful shutdown ----------------------------------------------------------------------------
 
 def _children(pid: int) -> list[int]:

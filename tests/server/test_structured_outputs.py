@@ -195,3 +195,21 @@ def test_metrics_and_memory_count_structured_output_work(server_url, http):
     assert metric(server_url, "pagedllm:structured_output_compile_seconds_count") > 0
     assert metric(server_url, "pagedllm:structured_output_bitmask_seconds_total") > 0
     assert http.get("/v1/memory").json()["structured_output_cache_bytes"] > 0
+
+
+def test_structured_outputs_fields_sent_by_their_names_are_known(caplog):
+    """`structured_outputs: {"json": ...}` is vLLM's name for the field held as `json_`: it is read without the
+    "unknown field" warning, which a field the server does not know still gets."""
+    import logging
+
+    from pagedllm.entrypoints.openai import protocol
+    from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+
+    protocol._WARNED.clear()
+    body = {"messages": [{"role": "user", "content": "hi"}], "structured_outputs": {"json": {"type": "object"}}}
+    with caplog.at_level(logging.WARNING, logger=protocol.__name__):
+        req = ChatCompletionRequest.model_validate(body)
+    assert req.guided_decoding().json == {"type": "object"} and "unknown field" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger=protocol.__name__):
+        ChatCompletionRequest.model_validate(body | {"structured_outputs": {"json": {}, "jsn": 1}})
+    assert "ignoring the unknown field 'jsn' of StructuredOutputs" in caplog.text

@@ -235,7 +235,7 @@ def engine_variants() -> list[tuple[str, bool]]:
 
 
 def graphs_info(llm) -> dict:
-    g = llm.llm_engine.runner.graphs
+    g = llm.llm_engine.executor.driver.graphs
     if g is None:
         return {"graphs": "off"}
     return {"graphs": "on", "graph_sizes": len(g.sizes), "capture_s": g.capture_seconds,
@@ -267,7 +267,7 @@ def part_throughput(pagedllm_only: bool = False) -> None:
             llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
             sync()
             el = time.perf_counter() - t
-            emit("throughput", model=model, backend="pagedllm", attention=llm.llm_engine.runner.attn_backend.name,
+            emit("throughput", model=model, backend="pagedllm", attention=llm.llm_engine.executor.driver.attn_backend.name,
                  prompts=n, out_tok_s=n * outl / el, seconds=el, **graphs_info(llm))
             del llm
             if DEV == "cuda":
@@ -331,7 +331,7 @@ def part_latency() -> None:
                 res[k] = time.perf_counter() - t
             ms = (res[outl + 1] - res[1]) / outl * 1000
             floor = wbytes / bw * 1000
-            emit("latency", model=model, backend="pagedllm", attention=llm.llm_engine.runner.attn_backend.name,
+            emit("latency", model=model, backend="pagedllm", attention=llm.llm_engine.executor.driver.attn_backend.name,
                  ms_per_token=ms, floor_ms=floor, ratio=ms / floor, weight_gib=wbytes / 2**30, ttft_ms=res[1] * 1000,
                  **graphs_info(llm))
             del llm
@@ -513,7 +513,7 @@ def part_offload_parity() -> None:
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     dev = "cpu" if SMOKE else "cuda"
     ref_llm = LLM(path, device=dev, dtype="float32", max_model_len=128, kv_cache_memory="64MiB")
-    layer = param_bytes(ref_llm.llm_engine.runner.model.decoder_layers()[0])
+    layer = param_bytes(ref_llm.llm_engine.executor.driver.model.decoder_layers()[0])
     ref = [list(o.outputs[0].token_ids) for o in ref_llm.generate(prompts, sp, use_tqdm=False)]
     del ref_llm
     for n in (2, 4, 6):
@@ -532,9 +532,9 @@ def part_offload_parity() -> None:
                 llm = LLM(path, device=dev, dtype="float32", max_model_len=128, kv_cache_memory="64MiB",
                           cpu_offload_gb=n * layer / 2**30 + 1e-9)
             got = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
-            emit("offload_parity", offloaded_layers=len(llm.llm_engine.runner.model.layer_offloads),
+            emit("offload_parity", offloaded_layers=len(llm.llm_engine.executor.driver.model.layer_offloads),
                  identical=f"{sum(g == r for g, r in zip(got, ref))}/{len(ref)}",
-                 pinned=sum(p is not None for p in llm.llm_engine.runner.model.layer_offloader.pinned))
+                 pinned=sum(p is not None for p in llm.llm_engine.executor.driver.model.layer_offloader.pinned))
             del llm
         except Exception as e:
             import traceback
@@ -685,7 +685,7 @@ def part_parity_triton() -> None:
                     same = sum(o.outputs[0].token_ids == r[0] for o, r in zip(outs, ref))
                     lp = max(abs(lps[t].logprob - b) for o, r in zip(outs, ref)
                              for lps, t, b in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, r[1]))
-                    emit("parity_triton", arch=arch, backend=llm.llm_engine.runner.attn_backend.name, regime=regime,
+                    emit("parity_triton", arch=arch, backend=llm.llm_engine.executor.driver.attn_backend.name, regime=regime,
                          identical=f"{same}/{len(ref)}", max_logprob_diff=lp,
                          preemptions=llm.llm_engine.scheduler.num_preemptions)
                     del llm
@@ -764,7 +764,7 @@ def part_graphs() -> None:
                               for n in MAX_TOKENS]
                     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
                     runs[eager] = [o.outputs[0].token_ids for o in outs]
-                    g = llm.llm_engine.runner.graphs
+                    g = llm.llm_engine.executor.driver.graphs
                     captured = None if g is None else sorted(g.steps)
                     del llm
                 except Exception as e:

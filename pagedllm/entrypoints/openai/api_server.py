@@ -264,7 +264,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                                "usage": e.kv_cache.swap_usage},
                 "num_preemptions": e.scheduler.num_preemptions,
                 "structured_output_cache_bytes":
-                    0 if e.runner.grammars is None else e.runner.grammars.compiler.cache_bytes,
+                    e.structured_outputs.compiler.cache_bytes if e.structured_outputs.started else 0,
             }
         return await engine.call(snapshot)
 
@@ -382,7 +382,7 @@ def run_server(ns: argparse.Namespace) -> int:
     names = ns.served_model_name or [ns.model or "pagedllm-demo"]
     metrics = EngineMetrics(names[0])
     stop_on_lost_worker = _StopOnLostWorker()
-    engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step, abort_listener=metrics.forget,
+    engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step, abort_listener=metrics.on_abort,
                             failure_listener=stop_on_lost_worker)
     app = build_app(engine, names, api_key, chat_template, metrics, audio, ns.max_request_body_bytes,
                     ns.max_waiting_requests, ns.tool_call_parser if ns.enable_auto_tool_choice else None)

@@ -31,13 +31,18 @@ class LenientModel(BaseModel):
     @classmethod
     def _warn_unknown_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name in data.keys() - cls.model_fields.keys():
+            for name in data.keys() - cls._known_fields():
                 key = (cls.__name__, str(name)[:100])
                 if key not in _WARNED and len(_WARNED) < _MAX_WARNED:
                     _WARNED.add(key)
                     logger.warning("ignoring the unknown field %r of %s requests (and from now on, silently)",
                                    key[1], cls.__name__)
         return data
+
+    @classmethod
+    def _known_fields(cls) -> set[str]:
+        """Field names and the aliases clients send them under (`json` for the attribute `json_`)."""
+        return set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -56,12 +57,24 @@ class ServingContext:
                            "model")
         return requested
 
-    def check_capacity(self) -> None:
-        """Back-pressure: 503 with Retry-After once --max-waiting-requests requests wait to be scheduled."""
+    # Requests admitted (past the --max-waiting-requests check) whose prompts are still being tokenized or
+    # rendered, not yet in the engine's queue. Touched on the event loop only.
+    num_admitting: int = 0
+
+    @contextlib.contextmanager
+    def admission(self):
+        """Back-pressure: 503 with Retry-After once --max-waiting-requests requests wait to be scheduled. A
+        request counts from its admission here (before its prompt is tokenized) until the engine has queued it,
+        from then on in the engine's count until it is scheduled: of a burst, exactly the overflow is refused."""
         limit = self.max_waiting_requests
-        if limit is not None and self.engine.num_waiting >= limit:
+        if limit is not None and self.engine.num_waiting + self.num_admitting >= limit:
             raise APIError(503, f"The server is at capacity: {limit} requests are waiting to be scheduled "
                                 f"(--max-waiting-requests). Retry later.", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.num_admitting += 1
+        try:
+            yield
+        finally:
+            self.num_admitting -= 1
 
     def _tokenizer(self):
         tokenizer = self.engine.engine.tokenizer
@@ -94,7 +107,7 @@ class ServingContext:
         if params.guided_decoding is None:
             return
         try:
-            await self.run(lambda: self.engine.engine.grammars.compile(params.guided_decoding))
+            await self.run(lambda: self.engine.engine.structured_outputs.compile(params.guided_decoding))
         except InvalidParameterError as e:
             raise APIError(400, str(e), e.param) from None
 
@@ -222,10 +235,13 @@ def _with_cache_salt(prompt: str | dict, cache_salt: str | None) -> str | dict:
 
 
 async def _start(ctx: ServingContext, prefix: str, prompts: list, params: SamplingParams,
-                 cache_salt: str | None = None, priority: int = 0) -> list[AsyncIterator[RequestOutput]]:
+                 cache_salt: str | None = None, priority: int = 0,
+                 admitted: bool = False) -> list[AsyncIterator[RequestOutput]]:
     """Submit every prompt (text tokenized off the engine thread first); the first invalid one aborts those
-    already submitted and raises 400."""
-    ctx.check_capacity()
+    already submitted and raises 400. Admitted here (ctx.admission) unless the caller already was."""
+    if not admitted:
+        with ctx.admission():
+            return await _start(ctx, prefix, prompts, params, cache_salt, priority, admitted=True)
     await ctx.compile_constraint(params)
     prompts = [{"prompt": p, "prompt_token_ids": await ctx.tokenize(p)} if isinstance(p, str) else p for p in prompts]
     base = f"{prefix}-{uuid.uuid4().hex}"
@@ -282,16 +298,19 @@ def _json_logprob(logprob: float) -> float:
     return max(logprob, LOWEST_LOGPROB)
 
 
-def _completion_logprobs(entries, first_offset: int = 0) -> dict:
-    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+def _completion_logprobs(entries, decode_token, first_offset: int = 0) -> dict:
+    """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset. `decode_token(id)`: the
+    text of a token that has no logprob entry (the first prompt token of an echo), which is still a token."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = first_offset
     for k, (token_id, entry) in enumerate(entries):
-        if entry is None:  # the first prompt token has no logprob
-            tokens.append(None)
+        if entry is None:  # the first prompt token has no logprob (nothing before it), but it has its text
+            text = decode_token(token_id)
+            tokens.append(text)
             token_lps.append(None)
             tops.append(None)
             offsets.append(offset)
+            offset += len(text)
             continue
         chosen = entry[token_id]
         text = chosen.decoded_token or ""
@@ -331,6 +350,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     streams = await _start(ctx, "cmpl", prompts, params, req.cache_salt, req.priority)
     created, rid, n = int(time.time()), f"cmpl-{uuid.uuid4().hex}", params.n
 
+    tokenizer = ctx.engine.engine.tokenizer
+
+    def decode_token(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
     def echo_entries(out: RequestOutput):
         ids = out.prompt_token_ids
         return list(zip(ids, out.prompt_logprobs or [None] * len(ids)))
@@ -338,8 +362,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     def prompt_text(out: RequestOutput) -> str:
         if out.prompt is not None:
             return out.prompt
-        return "".join(e[i].decoded_token or "" for i, e in zip(out.prompt_token_ids, out.prompt_logprobs or [])
-                       if e is not None)
+        return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
 
     if not req.stream:
         outputs = await _collect(streams, raw)
@@ -350,7 +373,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                 if req.echo:
                     text = prompt_text(out) + text
                     entries = echo_entries(out) + entries
-                logprobs = _completion_logprobs(entries) if req.logprobs is not None else None
+                logprobs = _completion_logprobs(entries, decode_token) if req.logprobs is not None else None
                 choices.append({"index": i * n + c.index, "text": text, "logprobs": logprobs,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "text_completion", "created": created, "model": model,
@@ -374,7 +397,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                         entries = echo_entries(out) + entries
                     if not delta and not entries and t1 == t0 and not c.finished():
                         continue  # nothing new (a token's text may still be held back: it is sent later)
-                    logprobs = _completion_logprobs(entries) if req.logprobs is not None else None
+                    logprobs = _completion_logprobs(entries, decode_token) if req.logprobs is not None else None
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                                 "choices": [{"index": i * n + c.index, "text": delta, "logprobs": logprobs,
                                              "finish_reason": c.finish_reason if c.finished() else None,
@@ -520,10 +543,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         params = params.clone(guided_decoding=tools.constraint)
     messages = _messages(req)
     template = req.chat_template or ctx.chat_template
-    ctx.check_capacity()
-    text, ids = await ctx.render_chat(messages, template, req.add_generation_prompt, tools.rendered)
-    streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params, req.cache_salt,
-                           req.priority)
+    with ctx.admission():
+        text, ids = await ctx.render_chat(messages, template, req.add_generation_prompt, tools.rendered)
+        streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params, req.cache_salt,
+                               req.priority, admitted=True)
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
 
     if not req.stream:

@@ -47,6 +47,8 @@ def unsupported_reason(name: str, shape: AttentionShape) -> str | None:
             return (f"its decode kernel is built for head sizes {', '.join(map(str, DECODE_KERNEL_HEAD_DIMS))}, "
                     f"not {shape.head_dim}")
         if cpu_kernels() is None:
+            if os.environ.get("PAGEDLLM_CPU_ISA", "").strip().lower() == "none":
+                return "PAGEDLLM_CPU_ISA=none turns the native CPU kernels off"
             return "the native CPU kernels could not be built here (see the warning above)"
         return None
     if name == "triton":

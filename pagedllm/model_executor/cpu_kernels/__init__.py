@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 _HEADER = "common.h"
 _SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp", "greedy.cpp", "packed_linear.cpp")
 _FUNCTIONS = ["paged_decode_attention", "write_kv_cache", "rms_norm", "silu_and_mul", "rotary_embedding",
-              "gemv_bf16", "packed_linear_supported", "packed_linear_fma_supported",
+              "gemv_bf16", "packed_linear_supported", "packed_linear_fma_supported", "set_amx_allowed",
               "pack_linear_weight", "packed_linear", "packed_linear_silu_mul",
               "packed_embedding", "argmax_rows"]
 # -O3 with the reassociation that lets the compiler vectorise dot products (no -ffast-math: its
@@ -38,12 +38,12 @@ _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fa
            "-fno-signed-zeros", "-fopenmp"]
 
 
-def _cpu_signature() -> str:
-    """A short hash of what the compiled code depends on beyond its source: the CPU's instruction set
-    (-march=native) and the machine, so a cache directory shared between hosts never hands one host
-    another's binary; and the torch build it links (version and install path), so two venvs each keep
-    their own build instead of rebuilding it at every switch (the build records the torch it was made
-    for, and PyTorch's builder rebuilds when that changes)."""
+def _cpu_signature(source: str = "") -> str:
+    """A short hash of what the compiled code depends on: the CPU's instruction set (-march=native) and the
+    machine, so a cache directory shared between hosts never hands one host another's binary; the torch
+    build it links (version and install path), so two venvs each keep their own build instead of rebuilding
+    it at every switch; and the source, so two checkouts of different versions (or a server of one beside
+    the tests of another) each keep theirs (PyTorch's builder would rebuild one name at every switch)."""
     flags = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -55,7 +55,7 @@ def _cpu_signature() -> str:
     import torch
 
     build = f"{torch.__version__} {Path(torch.__file__).resolve().parent}"
-    return hashlib.sha256(f"{platform.machine()} {flags} {build}".encode()).hexdigest()[:12]
+    return hashlib.sha256(f"{platform.machine()} {flags} {build} {source}".encode()).hexdigest()[:12]
 
 
 def _ensure_ninja_on_path() -> None:
@@ -88,22 +88,52 @@ def _remove_stale_build_lock(name: str) -> None:
         lock.unlink(missing_ok=True)
 
 
-@functools.lru_cache(maxsize=1)
+_isa_applied: str | None = None  # the PAGEDLLM_CPU_ISA value the kernels' AMX switch was last set for
+
+
 def cpu_kernels() -> ModuleType | None:
-    """The compiled kernels, or None (with the reason logged once) when they cannot be had."""
+    """The compiled kernels, or None: when they cannot be had (the reason logged once), with
+    PAGEDLLM_CPU_KERNELS=0, or with PAGEDLLM_CPU_ISA=none (model_executor/cpu_isa.py). Below
+    PAGEDLLM_CPU_ISA=amx their AMX paths are off."""
+    global _isa_applied
+    forced = os.environ.get("PAGEDLLM_CPU_ISA", "")
+    if forced.strip().lower() == "none":
+        return None
+    kernels = load_cpu_kernels()
+    if kernels is not None and forced != _isa_applied:
+        from pagedllm.model_executor.cpu_isa import cpu_isa
+
+        cpu_isa()  # checks the value and sets the AMX switch
+        _isa_applied = forced
+    return kernels
+
+
+def kernel_source() -> str:
+    """One translation unit (PyTorch's headers take ~40 s to compile, once per unit): the shared header,
+    then every source with its include of it removed."""
+    here = Path(__file__).parent
+    include = f'#include "{_HEADER}"'
+    return "\n".join([(here / _HEADER).read_text()]
+                     + [(here / name).read_text().replace(include, "") for name in _SOURCES])
+
+
+def build_name(source: str | None = None) -> str:
+    """The extension's name in PyTorch's cache (its build directory): keyed by _cpu_signature."""
+    return f"pagedllm_cpu_{_cpu_signature(kernel_source() if source is None else source)}"
+
+
+@functools.lru_cache(maxsize=1)
+def load_cpu_kernels() -> ModuleType | None:
+    """The compiled kernels whatever PAGEDLLM_CPU_ISA says (cpu_isa.py reads what they can do), or None
+    (with the reason logged once) when they cannot be had."""
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         return None
     try:
         from torch.utils.cpp_extension import load_inline
 
         _ensure_ninja_on_path()
-        here = Path(__file__).parent
-        # One translation unit (PyTorch's headers take ~40 s to compile, once per unit): the shared
-        # header, then every source with its include of it removed.
-        include = f'#include "{_HEADER}"'
-        source = "\n".join([(here / _HEADER).read_text()]
-                           + [(here / name).read_text().replace(include, "") for name in _SOURCES])
-        name = f"pagedllm_cpu_{_cpu_signature()}"
+        source = kernel_source()
+        name = build_name(source)
         _remove_stale_build_lock(name)
         start = time.perf_counter()
         logger.info("loading native CPU kernels %s (the first start on a machine or venv compiles them: ~1 min)", name)

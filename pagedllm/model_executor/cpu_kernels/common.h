@@ -167,6 +167,22 @@ bool request_amx() {
   }();
   return granted;
 }
+#endif
+
+// PAGEDLLM_CPU_ISA below amx turns AMX off (model_executor/cpu_isa.py, through set_amx_allowed): the
+// kernels then take the paths of a CPU without it.
+std::atomic<bool> amx_allowed{true};
+
+// The AMX paths run: this build has them, the OS granted the tiles and nothing turned them off.
+bool amx_enabled() {
+#if PAGEDLLM_HAS_AMX
+  return amx_allowed.load(std::memory_order_relaxed) && request_amx();
+#else
+  return false;
+#endif
+}
+
+#if PAGEDLLM_HAS_AMX
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};

@@ -68,7 +68,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
 #if PAGEDLLM_HAS_AMX
   const bool use_amx = std::is_same_v<T, c10::BFloat16> && NC % 2 == 0 && group <= 16 && block_size % 16 == 0 &&
-                       request_amx();
+                       amx_enabled();
 #else
   constexpr bool use_amx = false;
 #endif

@@ -438,14 +438,12 @@ void check_packed(const at::Tensor& packed) {
 
 }  // namespace
 
-// True when this build has the AMX / AVX512-BF16 kernels and the OS lets this process use AMX tiles.
-bool packed_linear_supported() {
-#if PAGEDLLM_HAS_AMX
-  return request_amx();
-#else
-  return false;
-#endif
-}
+// True when this build has the AMX / AVX512-BF16 kernels, the OS lets this process use AMX tiles and
+// set_amx_allowed has not turned them off.
+bool packed_linear_supported() { return amx_enabled(); }
+
+// Whether packed products may use AMX (true at load); false: they take the AVX2 / FMA path.
+void set_amx_allowed(bool allowed) { amx_allowed.store(allowed, std::memory_order_relaxed); }
 
 // True when this build has the AVX2 / FMA path (used where packed_linear_supported() is false).
 bool packed_linear_fma_supported() { return PAGEDLLM_HAS_FMA_LINEAR; }
