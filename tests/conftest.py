@@ -15,6 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (pyproject's addopts: a worker per core), one compute thread per worker, and per server
+# or worker process a test starts: two workers of two threads each on two cores lose more to OpenMP's waiting
+# than they gain (the demo model's build took 110 s instead of 20).
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") != "1":
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 from pagedllm.model_executor.cpu_isa import available_cpu_isas
 from tests.helpers import ARCHS, hf_greedy, load_hf_model, make_tiny_model
 

@@ -15,6 +15,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.executor.multiproc import free_port
 from tests.sampling_features import ENGINE_FEATURES, run_features, same_greedy_outputs
 
+
 PROMPTS = [[5 + i for i in range(n)] for n in (7, 19, 33)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 ENGINE = {"dtype": "float32", "device": "cpu", "max_model_len": 64, "block_size": 4}
@@ -62,12 +63,14 @@ def test_ranks_on_ray_generate_what_one_rank_does(tiny_models, ray_cluster):
 
 
 def test_every_sampling_feature_holds_on_ray_ranks(tiny_models, ray_cluster):
-    """The feature batch of tests/sampling_features.py on two ranks placed by Ray: each constraint holds
-    (structured outputs' bitmask, logit_bias, min_tokens ...), and the greedy outputs are one rank's."""
+    """The feature batch of tests/sampling_features.py on two ranks placed by Ray, with an fp8 KV cache, int8
+    weights and swap space: each constraint holds (structured outputs' bitmask, logit_bias, min_tokens ...), and
+    the greedy outputs are one rank's with the same settings."""
     path = str(tiny_models["qwen2"])
-    with LLM(path, **ENGINE_FEATURES) as one:
+    settings = ENGINE_FEATURES | {"kv_cache_dtype": "fp8", "quantization": "int8", "swap_space": 0.001}
+    with LLM(path, **settings) as one:
         reference = run_features(one)
-    with LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE_FEATURES) as two:
+    with LLM(path, tensor_parallel_size=2, distributed_executor_backend="ray", **settings) as two:
         outs = run_features(two)
         assert two.llm_engine.preemption_stats.total > 0
     same_greedy_outputs(outs, reference)

@@ -36,8 +36,11 @@ def test_bad_sizes_are_refused(tiny_models, sizes):
 
 
 def _generate(path, enforce_eager, params_of, **kwargs):
+    # A 128-token budget holds the 70 prompt tokens in one step; a KV cache sized here skips the profile run
+    # (interpreted: seconds per engine), which these tests do not look at.
+    kwargs = {"num_gpu_blocks_override": 64} | kwargs
     llm = LLM(str(path), dtype="float32", max_model_len=64, attention_backend="triton", max_num_seqs=8,
-              enforce_eager=enforce_eager, **kwargs)
+              max_num_batched_tokens=128, enforce_eager=enforce_eager, **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [params_of(n) for n in MAX_TOKENS],
                         use_tqdm=False)
     return llm, [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
@@ -106,12 +109,14 @@ def test_padded_rows_write_only_the_null_block(tiny_models):
 
 def test_graphs_off_for_enforce_eager_and_backends_that_cannot(tiny_models):
     path = str(tiny_models["llama"])
-    assert LLM(path, attention_backend="triton", enforce_eager=True).llm_engine.executor.driver.graphs is None
-    runner = LLM(path, attention_backend="torch").llm_engine.executor.driver
+    small = dict(max_model_len=64, max_num_batched_tokens=64)  # a short profile run under the interpreter
+    assert LLM(path, attention_backend="triton", enforce_eager=True, max_num_seqs=8,
+               **small).llm_engine.executor.driver.graphs is None
+    runner = LLM(path, attention_backend="torch", max_num_seqs=8, **small).llm_engine.executor.driver
     assert runner.graphs is None
     assert runner.graphs_off_reason() == "the torch attention backend builds its inputs on the host each step"
-    assert LLM(path, attention_backend="triton", max_num_seqs=12,
-               cuda_graph_sizes=[1, 4]).llm_engine.executor.driver.graphs.sizes == (1, 4)
+    assert LLM(path, attention_backend="triton", max_num_seqs=12, cuda_graph_sizes=[1, 4],
+               **small).llm_engine.executor.driver.graphs.sizes == (1, 4)
 
 
 def test_steps_past_the_largest_size_run_eagerly(tiny_models):
@@ -156,7 +161,8 @@ def test_higgs_audio_decodes_from_graphs(tmp_path):
     results = {}
     for eager in (True, False):
         llm = LLM(path, dtype="float32", max_model_len=128, block_size=4, repetition_aware_sampling=False,
-                  attention_backend="triton", enforce_eager=eager, max_num_seqs=4)
+                  attention_backend="triton", enforce_eager=eager, max_num_seqs=4,
+                  num_gpu_blocks_override=64)  # no (interpreted) profile run
         counts = {} if eager else _replays(llm)
         outs = llm.generate(inputs, params, use_tqdm=False)
         results[eager] = [(o.outputs[0].token_ids, o.outputs[0].audio_codes) for o in outs]

@@ -1,7 +1,7 @@
 """guidellm (a third-party load tool for OpenAI servers, pinned in the test extras) against the demo model as
 `pagedllm serve` runs it: its default request settings (chat completions, streamed, `stream_options` with
 `include_usage` and `continuous_usage_stats`, `max_completion_tokens`, `ignore_eos`), 8 concurrent streams for
-20 seconds. Every request must succeed, and the token counts it reads from the streamed usage must be exact."""
+10 seconds. Every request must succeed, and the token counts it reads from the streamed usage must be exact."""
 from __future__ import annotations
 
 import json
@@ -13,12 +13,14 @@ import httpx
 
 from tests.server.conftest import kv_idle, wait_until
 
-SECONDS = 20  # long enough for many requests per stream; CI time is capped at 15 minutes
+# Short requests, so that each stream finishes many in a short run even while the other test worker loads the
+# machine (8 s of 128-token requests beside it: 24 in all; the assertions need 5 a stream).
+SECONDS = 10
 STREAMS = 8
-OUTPUT_TOKENS = 128
+OUTPUT_TOKENS = 32
 
 
-def test_guidellm_runs_20_seconds_at_concurrency_8_without_an_error(demo_server, tmp_path):
+def test_guidellm_runs_10_seconds_at_concurrency_8_without_an_error(demo_server, tmp_path):
     model = httpx.get(f"{demo_server.url}/v1/models", timeout=10).json()["data"][0]
     report = tmp_path / "guidellm.json"
     cmd = [sys.executable, "-m", "guidellm", "run",
@@ -35,7 +37,7 @@ def test_guidellm_runs_20_seconds_at_concurrency_8_without_an_error(demo_server,
     (bench,) = json.loads(report.read_text())["benchmarks"]
     made = bench["scheduler_metrics"]["requests_made"]
     assert made["errored"] == 0 and bench["metrics"]["request_totals"]["errored"] == 0, made
-    assert made["successful"] >= 5 * STREAMS, made  # each stream finished requests, over and over (~470 here)
+    assert made["successful"] >= 5 * STREAMS, made  # each stream finished requests, over and over
     # Cut off at the run's end: those in flight and those guidellm had queued (8-12 seen); a stalled stream
     # would leave its requests here.
     assert made["incomplete"] <= 2 * STREAMS, made
