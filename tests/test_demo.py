@@ -12,7 +12,6 @@ import torch
 from pagedllm import demo
 from tests.helpers import ARCHS, hf_greedy, load_hf_model, make_tiny_model
 
-
 transformers = pytest.importorskip("transformers")
 AutoTokenizer = transformers.AutoTokenizer
 AutoConfig = transformers.AutoConfig

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCK = re.compile(r"^```(bash|python) runnable\n(.*?)^```", re.S | re.M)
 
