@@ -8,6 +8,7 @@ of random junk. The result is an ordinary Hugging Face model folder.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -342,12 +343,24 @@ def demo_model_path() -> Path:
     """Return the cached demo model folder, building it on first use.
 
     The build goes to a temporary sibling folder that is renamed into place when complete, so
-    an interrupted or concurrent build never leaves a half-written model behind.
+    an interrupted build never leaves a half-written model behind; concurrent callers build once (a lock
+    file beside the model).
     """
     final = _cache_root() / DEMO_MODEL_NAME
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time: a process that finds another building (two servers started at once on a fresh
+    # machine) waits for it and uses its build instead of training a second copy.
+    with open(final.parent / f".{DEMO_MODEL_NAME}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (final / "config.json").is_file():
+            return final
+        _build_into(final)
+    return final
+
+
+def _build_into(final: Path) -> None:
     logger.info("building demo model into %s (one-time, ~30 s)", final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_NAME}-", dir=final.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the finished cache folder should not be
@@ -365,4 +378,3 @@ def demo_model_path() -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return final

@@ -28,6 +28,19 @@ from tests.helpers import ARCHS, hf_greedy, load_hf_model, make_tiny_model
 __all__ = ["hf_greedy", "load_hf_model", "make_tiny_model"]
 
 
+@pytest.hookimpl(trylast=True)  # after the tmp_path plugin's
+def pytest_configure(config: pytest.Config) -> None:
+    """The demo model (and anything else pagedllm caches) goes to a cache of this test run's, shared by its xdist
+    workers and every process a test starts: built fresh once per run (demo.py's lock), never read from or
+    written to the user's ~/.cache."""
+    if "PAGEDLLM_CACHE_DIR" in os.environ:
+        return
+    run_root = config._tmp_path_factory.getbasetemp()
+    if hasattr(config, "workerinput"):  # an xdist worker's basetemp is popen-gwN inside the run's
+        run_root = run_root.parent
+    os.environ["PAGEDLLM_CACHE_DIR"] = str(run_root / "pagedllm-cache")
+
+
 @pytest.fixture(params=available_cpu_isas())
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each CPU path this machine can run, best first (amx, avx512_bf16, avx2, none: cpu_isa.py), forced in

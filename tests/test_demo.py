@@ -171,13 +171,11 @@ def test_hf_greedy_ignore_eos(tmp_path: Path, tiny_models: dict[str, Path]) -> N
 
 
 @pytest.fixture(scope="module")
-def demo_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, float]:
-    """Build the demo model once into a temp cache; return (cache_root, model_path, mtime)."""
-    root = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PAGEDLLM_CACHE_DIR", str(root))
-        path = demo.demo_model_path()
-    return root, path, (path / "model.safetensors").stat().st_mtime
+def demo_cache() -> tuple[Path, Path, float]:
+    """The demo model as this test run builds it (once, fresh, in the run's cache: tests/conftest.py, shared with
+    the demo servers); (cache_root, model_path, mtime)."""
+    path = demo.demo_model_path()
+    return demo._cache_root(), path, (path / "model.safetensors").stat().st_mtime
 
 
 def test_demo_model_path_builds_once(demo_cache: tuple[Path, Path, float], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -185,7 +183,8 @@ def test_demo_model_path_builds_once(demo_cache: tuple[Path, Path, float], monke
     assert path == root / "demo-llama-v1"
     for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (path / name).is_file(), name
-    assert [p.name for p in root.iterdir()] == ["demo-llama-v1"]  # no temp leftovers
+    # No temp leftovers: the model and the lock file that keeps two builds from running at once.
+    assert sorted(p.name for p in root.iterdir() if "demo" in p.name) == [".demo-llama-v1.lock", "demo-llama-v1"]
 
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("demo model rebuilt")
@@ -237,7 +236,7 @@ def test_demo_model_path_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(demo, "build_demo_model", broken)
     with pytest.raises(KeyboardInterrupt):
         demo.demo_model_path()
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == [".demo-llama-v1.lock"]
 
     def fake(save_dir: Path) -> Path:
         calls.append(Path(save_dir))
@@ -251,4 +250,40 @@ def test_demo_model_path_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     path = demo.demo_model_path()
     assert path == half and (path / "config.json").is_file() and not (path / "model.safetensors").exists()
     assert demo.demo_model_path() == path and len(calls) == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["demo-llama-v1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".demo-llama-v1.lock", "demo-llama-v1"]
+
+
+def test_concurrent_callers_build_the_demo_model_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes asking for the demo model at once (two servers started together): while one builds, the
+    other waits on the lock, then takes that build instead of making its own."""
+    import fcntl
+    import multiprocessing
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    ctx = multiprocessing.get_context("fork")
+    events, release = ctx.Queue(), ctx.Event()
+    real_flock = fcntl.flock
+
+    def flock(fd, op):
+        events.put("waits for the lock")
+        return real_flock(fd, op)
+
+    def build(save_dir: Path) -> Path:
+        events.put("builds")
+        assert release.wait(timeout=60)
+        (Path(save_dir) / "config.json").write_text("{}")
+        return Path(save_dir)
+
+    monkeypatch.setattr(fcntl, "flock", flock)  # (the forked processes inherit both)
+    monkeypatch.setattr(demo, "build_demo_model", build)
+    first = ctx.Process(target=demo.demo_model_path)
+    first.start()
+    assert [events.get(timeout=60) for _ in range(2)] == ["waits for the lock", "builds"]
+    second = ctx.Process(target=demo.demo_model_path)
+    second.start()
+    assert events.get(timeout=60) == "waits for the lock"  # it found no model, and the lock taken
+    release.set()
+    for p in (first, second):
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert events.empty() and (tmp_path / "demo-llama-v1" / "config.json").is_file()  # one build only

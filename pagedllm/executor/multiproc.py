@@ -129,10 +129,17 @@ class MultiprocWorkers:
             pass
         return WorkerError(f"tensor-parallel rank {i + 1} (pid {proc.pid}) exited with code {proc.returncode}")
 
-    def check_alive(self) -> None:
-        for i, proc in enumerate(self.procs):
-            if proc.poll() is not None:
-                raise self._failure(i)
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """A WorkerError for a worker process that has exited. `grace_s`: how long to look for one (a collective
+        that failed because its peer died can fail before the kernel has reaped that peer)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for i, proc in enumerate(self.procs):
+                if proc.poll() is not None:
+                    raise self._failure(i)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def shutdown(self, wait_s: float = 10) -> None:
         """Ask each worker to stop, wait up to `wait_s` (0: a worker known lost), then kill what is left: none

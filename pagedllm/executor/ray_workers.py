@@ -128,8 +128,9 @@ class RayWorkers:
         replies, self._replies = self._replies, []
         return self._get(replies, timeout=self.timeout_s)
 
-    def check_alive(self) -> None:
-        """Raise the error of any finished step call (a dead actor's, a worker's exception)."""
+    def check_alive(self, grace_s: float = 0.0) -> None:
+        """Raise the error of any finished step call (a dead actor's, a worker's exception). (`grace_s`: Ray
+        reports a dead actor through its calls, which already waited.)"""
         if not self._in_flight:
             return
         done, self._in_flight = self.ray.wait(self._in_flight, num_returns=len(self._in_flight), timeout=0)

@@ -70,7 +70,7 @@ class TensorParallelExecutor(Executor):
             raise
         except RuntimeError as e:
             self.failed = True
-            self.workers.check_alive()
+            self.workers.check_alive(grace_s=2.0)  # a peer's death first shows as a broken connection
             raise WorkerError(f"a collective with the tensor-parallel ranks failed (a rank exited, or did not "
                               f"answer within {self.timeout_s:.0f} s: PAGEDLLM_WORKER_TIMEOUT_S): {e}") from e
 
