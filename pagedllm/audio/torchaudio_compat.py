@@ -46,6 +46,11 @@ def ensure_torchaudio() -> str:
     package.functional = functional
     sys.modules["torchaudio"] = package
     sys.modules["torchaudio.functional"] = functional
+    # transformers caches whether torchaudio is there: an answer given before the stand-in existed would
+    # still refuse the codec's import.
+    checked = getattr(sys.modules.get("transformers.utils.import_utils"), "is_torchaudio_available", None)
+    if hasattr(checked, "cache_clear"):
+        checked.cache_clear()
     return "stand-in"
 
 

@@ -50,7 +50,7 @@ def machine_cpu_isa() -> str:
     from pagedllm.model_executor.cpu_kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
-    if kernels is not None and kernels.packed_linear_supported():
+    if kernels is not None and kernels.amx_available():  # (whatever PAGEDLLM_CPU_ISA has switched off)
         return "amx"
     if onednn_bf16():
         return "avx512_bf16"

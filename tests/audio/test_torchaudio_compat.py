@@ -1,6 +1,7 @@
 """The torchaudio stand-in: torchaudio 2.11.1's resample, where the real package cannot load."""
 from __future__ import annotations
 
+import importlib.util
 import math
 import sys
 
@@ -40,6 +41,11 @@ def test_resample_keeps_a_band_limited_tone_and_torchaudio_lengths(rate, target,
 
 
 def test_ensure_torchaudio_lets_transformers_import_the_codec():
+    """Also when transformers was asked about torchaudio first (and cached its answer)."""
+    from transformers.utils.import_utils import is_torchaudio_available
+
+    if "torchaudio" not in sys.modules and importlib.util.find_spec("torchaudio") is None:
+        assert not is_torchaudio_available()  # no real torchaudio here, no stand-in yet: cached as missing
     kind = ensure_torchaudio()
     assert kind in ("real", "stand-in")
     assert ensure_torchaudio() == kind  # idempotent

@@ -76,6 +76,12 @@ def test_every_sampling_feature_holds_on_ray_ranks(tiny_models, ray_cluster):
     same_greedy_outputs(outs, reference)
 
 
+def test_higgs_audio_on_ray_ranks_speaks_what_one_rank_does(tmp_path, ray_cluster):
+    from tests.distributed.test_tensor_parallel import speaks_what_one_rank_does
+
+    speaks_what_one_rank_does(tmp_path, "ray")
+
+
 def test_no_reachable_cluster_says_how_to_start_one(tiny_models, monkeypatch):
     import ray
 

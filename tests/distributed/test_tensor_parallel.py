@@ -78,6 +78,11 @@ def test_higgs_audio_on_two_ranks_speaks_what_one_does(tmp_path):
     """Its text embedding split by vocabulary, the audio embedding and audio head replicated, the dual FFN
     split like the MLP; rank 0's sampled frames reach the worker's delay-pattern state. Greedy and seeded
     codes equal one rank's, prompts chunked."""
+    speaks_what_one_rank_does(tmp_path, "mp")
+
+
+def speaks_what_one_rank_does(tmp_path, backend: str) -> None:
+    """The tiny Higgs Audio v2 on two ranks over `backend` (mp or ray): the same tokens and codes as on one."""
     from tests.higgs_helpers import audio_prompt, make_tiny_higgs_model, text_prompt
 
     path = str(make_tiny_higgs_model(tmp_path / "higgs"))
@@ -89,7 +94,8 @@ def test_higgs_audio_on_two_ranks_speaks_what_one_does(tmp_path):
               "repetition_aware_sampling": False}
     results = []
     for tp, chunk in ((1, 512), (2, 8)):
-        with LLM(path, tensor_parallel_size=tp, max_num_batched_tokens=chunk, **engine) as llm:
+        with LLM(path, tensor_parallel_size=tp, max_num_batched_tokens=chunk, distributed_executor_backend=backend,
+                 **engine) as llm:
             outs = llm.generate(inputs, params, use_tqdm=False)
         results.append([(o.outputs[0].token_ids, o.outputs[0].audio_codes) for o in outs])
     for (tokens, codes), (ref_tokens, ref_codes) in zip(results[1], results[0], strict=True):

@@ -30,7 +30,7 @@ _HEADER = "common.h"
 _SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp", "greedy.cpp", "packed_linear.cpp")
 _FUNCTIONS = ["paged_decode_attention", "write_kv_cache", "rms_norm", "silu_and_mul", "rotary_embedding",
               "gemv_bf16", "packed_linear_supported", "packed_linear_fma_supported", "set_amx_allowed",
-              "pack_linear_weight", "packed_linear", "packed_linear_silu_mul",
+              "amx_available", "pack_linear_weight", "packed_linear", "packed_linear_silu_mul",
               "packed_embedding", "argmax_rows"]
 # -O3 with the reassociation that lets the compiler vectorise dot products (no -ffast-math: its
 # assumptions about infinities and NaN are not ours to make).

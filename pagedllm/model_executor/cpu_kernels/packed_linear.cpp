@@ -445,6 +445,15 @@ bool packed_linear_supported() { return amx_enabled(); }
 // Whether packed products may use AMX (true at load); false: they take the AVX2 / FMA path.
 void set_amx_allowed(bool allowed) { amx_allowed.store(allowed, std::memory_order_relaxed); }
 
+// What this machine and build can do, whatever set_amx_allowed says: the AMX kernels and the tiles.
+bool amx_available() {
+#if PAGEDLLM_HAS_AMX
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
 // True when this build has the AVX2 / FMA path (used where packed_linear_supported() is false).
 bool packed_linear_fma_supported() { return PAGEDLLM_HAS_FMA_LINEAR; }
 
