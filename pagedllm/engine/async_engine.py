@@ -54,6 +54,7 @@ class AsyncLLMEngine:
         self._adds_submitted = 0  # event loop
         self._adds_handled = 0  # engine thread
         self._scheduler_waiting = 0  # engine thread
+        self._counts = threading.Lock()  # `handled` and the scheduler's count change together
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -63,11 +64,15 @@ class AsyncLLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests accepted and not yet scheduled (read from any thread). Never below the true count: an add
-        is counted in the scheduler's queue before it leaves the command queue's count (and `handled` is read
-        first), so a request in between is counted twice for a moment, never missed."""
-        handled = self._adds_handled
-        return self._adds_submitted - handled + self._scheduler_waiting
+        """Requests accepted and not yet scheduled (read from any thread): each request once, whether its add
+        is still in the command queue or it waits in the scheduler's."""
+        with self._counts:
+            return self._adds_submitted - self._adds_handled + self._scheduler_waiting
+
+    def _set_scheduler_waiting(self, handled_one: bool = False) -> None:
+        with self._counts:
+            self._scheduler_waiting = len(self.engine.scheduler.waiting)
+            self._adds_handled += handled_one
 
     # -- called from the event loop ----------------------------------------------------------
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -131,11 +136,11 @@ class AsyncLLMEngine:
                 self.engine.add_request(request_id, prompt, params, stream=True, strict_length=strict_length,
                                         priority=priority)
             except Exception as e:  # bad input: back to the caller, the engine is untouched
-                self._adds_handled += 1
+                with self._counts:
+                    self._adds_handled += 1
                 future.set_exception(e)
                 return
-            self._scheduler_waiting = len(self.engine.scheduler.waiting)  # (before `handled`: see num_waiting)
-            self._adds_handled += 1
+            self._set_scheduler_waiting(handled_one=True)
             self._streams[request_id] = stream
             future.set_result(None)
         elif kind == "abort":
@@ -164,7 +169,7 @@ class AsyncLLMEngine:
                     self._handle(self._commands.get_nowait())
             except queue.Empty:
                 pass
-            self._scheduler_waiting = len(self.engine.scheduler.waiting)
+            self._set_scheduler_waiting()
             if not self.engine.has_unfinished_requests():
                 continue
             try:
@@ -180,7 +185,7 @@ class AsyncLLMEngine:
                 if self.failure_listener is not None:
                     self.failure_listener(e)
                 return
-            self._scheduler_waiting = len(self.engine.scheduler.waiting)
+            self._set_scheduler_waiting()
             now = time.monotonic()
             for out in outputs:
                 stream = self._streams.get(out.request_id)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -37,6 +36,26 @@ _CHARS_PER_TOKEN_CHECK = 8
 
 
 @dataclass
+class Admission:
+    """A request counted against --max-waiting-requests while it is prepared (ServingContext.admit); released
+    once, when it is handed to the engine or given up (a `with` block releases it at the latest)."""
+
+    ctx: ServingContext
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.ctx.num_admitting -= 1
+
+    def __enter__(self) -> Admission:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@dataclass
 class ServingContext:
     engine: AsyncLLMEngine
     served_names: list[str]
@@ -61,20 +80,17 @@ class ServingContext:
     # rendered, not yet in the engine's queue. Touched on the event loop only.
     num_admitting: int = 0
 
-    @contextlib.contextmanager
-    def admission(self):
+    def admit(self) -> Admission:
         """Back-pressure: 503 with Retry-After once --max-waiting-requests requests wait to be scheduled. A
-        request counts from its admission here (before its prompt is tokenized) until the engine has queued it,
-        from then on in the engine's count until it is scheduled: of a burst, exactly the overflow is refused."""
+        request counts from its admission here (before its prompt is tokenized) until it is handed to the engine
+        (Admission.release, with no await before the engine counts it), then in the engine's count until it is
+        scheduled: never twice, never not at all, so of a burst exactly the overflow is refused."""
         limit = self.max_waiting_requests
         if limit is not None and self.engine.num_waiting + self.num_admitting >= limit:
             raise APIError(503, f"The server is at capacity: {limit} requests are waiting to be scheduled "
                                 f"(--max-waiting-requests). Retry later.", headers={"Retry-After": str(RETRY_AFTER_S)})
         self.num_admitting += 1
-        try:
-            yield
-        finally:
-            self.num_admitting -= 1
+        return Admission(self)
 
     def _tokenizer(self):
         tokenizer = self.engine.engine.tokenizer
@@ -236,14 +252,14 @@ def _with_cache_salt(prompt: str | dict, cache_salt: str | None) -> str | dict:
 
 async def _start(ctx: ServingContext, prefix: str, prompts: list, params: SamplingParams,
                  cache_salt: str | None = None, priority: int = 0,
-                 admitted: bool = False) -> list[AsyncIterator[RequestOutput]]:
+                 admission: Admission | None = None) -> list[AsyncIterator[RequestOutput]]:
     """Submit every prompt (text tokenized off the engine thread first); the first invalid one aborts those
-    already submitted and raises 400. Admitted here (ctx.admission) unless the caller already was."""
-    if not admitted:
-        with ctx.admission():
-            return await _start(ctx, prefix, prompts, params, cache_salt, priority, admitted=True)
-    await ctx.compile_constraint(params)
-    prompts = [{"prompt": p, "prompt_token_ids": await ctx.tokenize(p)} if isinstance(p, str) else p for p in prompts]
+    already submitted and raises 400. Admitted here (ctx.admit) unless the caller already was (`admission`)."""
+    with admission or ctx.admit() as admission:
+        await ctx.compile_constraint(params)
+        prompts = [{"prompt": p, "prompt_token_ids": await ctx.tokenize(p)} if isinstance(p, str) else p
+                   for p in prompts]
+        admission.release()  # the engine counts the request from its add_request on: no await in between
     base = f"{prefix}-{uuid.uuid4().hex}"
     ids, streams = [], []
     try:
@@ -543,10 +559,10 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         params = params.clone(guided_decoding=tools.constraint)
     messages = _messages(req)
     template = req.chat_template or ctx.chat_template
-    with ctx.admission():
+    with ctx.admit() as admission:
         text, ids = await ctx.render_chat(messages, template, req.add_generation_prompt, tools.rendered)
         streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params, req.cache_salt,
-                               req.priority, admitted=True)
+                               req.priority, admission)
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
 
     if not req.stream:
