@@ -350,7 +350,7 @@ class LLMEngine:
         with phase("schedule"):
             plan = self.scheduler.schedule()
             step_input = None if plan.is_empty else self.scheduler.runner_input(plan)
-            if step_input is not None:  # structured outputs: the allowed tokens of the rows that sample
+            if step_input is not None and self.structured_outputs.started:  # the allowed tokens of sampling rows
                 step_input.grammar_bitmask = self.structured_outputs.bitmask(
                     [s.request for s in plan.scheduled if s.samples])
         self.last_step_num_requests = len(plan.scheduled)

@@ -4,7 +4,7 @@ delay-pattern state. The sampler reads these."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pagedllm.engine.step_input import Frame, NewRequestData, TokenSequence, frames_between
 from pagedllm.sampling_params import SamplingParams

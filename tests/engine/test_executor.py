@@ -8,8 +8,6 @@ import inspect
 import pickle
 from pathlib import Path
 
-import pytest
-
 import pagedllm.engine as engine_package
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.step_input import StepInput
@@ -71,8 +69,7 @@ def test_a_runner_that_sees_only_the_steps_samples_what_the_engines_runner_sampl
     assert replayed == sampled
 
 
-@pytest.mark.parametrize("n", [2])
-def test_engines_made_one_after_another_each_end_cleanly(tiny_models, n):
+def test_engines_made_one_after_another_each_end_cleanly(tiny_models):
     """Dropping the last reference to an engine shuts its executor down (weakref.finalize); shutdown twice is a
     no-op; a `with` block shuts down on leaving."""
     import gc
