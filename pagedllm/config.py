@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.structured_output_limits import StructuredOutputLimits
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -17,6 +19,7 @@ _DTYPES = {
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATION_METHODS = ("int8",)
 # --preemption-mode, vLLM's names. None (the default): swap when there is swap space and it pays.
+SCHEDULING_POLICIES = ("fcfs", "priority")  # --scheduling-policy (vLLM's names)
 PREEMPTION_MODES = ("swap", "recompute")  # --quantization: weight-only int8, quantized at load
 # --kv-cache-dtype, vLLM's names: "auto" is the model dtype, "fp8" is fp8_e4m3.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
@@ -126,8 +129,13 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     preemption_mode: str | None = None  # one of PREEMPTION_MODES; None: swap when it pays, else recompute
+    # fcfs: every request is equal (a request's `priority` other than 0 is refused); priority: lower values
+    # are scheduled first and preempted last. As vLLM: a client's priority counts only when the operator says so.
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}; got {self.policy!r}.")
         if self.preemption_mode is not None and self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)} or None (automatic); "
                              f"got {self.preemption_mode!r}.")
@@ -172,6 +180,7 @@ class EngineConfig:
     # Logits that do not depend on the other requests of a step (model_executor/batch_invariant.py)
     batch_invariant: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    structured_outputs: StructuredOutputLimits = field(default_factory=StructuredOutputLimits)
 
     def __post_init__(self) -> None:
         if self.cuda_graph_sizes is not None:

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.errors import InvalidParameterError
+from pagedllm.isolated_worker import IsolatedWorker, WorkerCancelled, WorkerOutOfMemory, WorkerTimeout
+from pagedllm.structured_output_limits import FLAGS, StructuredOutputLimits
 
 DEFAULT_CACHE_MB = 512  # vLLM's default for VLLM_XGRAMMAR_CACHE_MB
 
@@ -69,16 +71,47 @@ class GuidedDecodingParams:
         return "json_object", ""
 
 
-class GrammarCompiler:
-    """Compiles constraints for one tokenizer and vocabulary (the model's logits width), once each."""
+def compile_spec(xgr, compiler, kind: str, spec: str):
+    """A constraint's (kind, spec) key compiled by an xgrammar GrammarCompiler (here, or in grammar_worker)."""
+    if kind == "json":
+        return compiler.compile_grammar(_json_schema_grammar(xgr, spec))
+    if kind == "regex":
+        return compiler.compile_regex(spec)
+    if kind == "grammar":
+        return compiler.compile_grammar(spec)
+    # json_object: OpenAI's is an object (xgrammar's built-in JSON grammar allows any value)
+    return compiler.compile_grammar(_json_schema_grammar(xgr, _ANY_OBJECT))
 
-    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 2) -> None:
+
+def grammar_worker(tokenizer_info_json: str):
+    """An isolated worker's handler (isolated_worker.py): (kind, spec) -> the bytes its compiled grammar takes
+    (the compile is tried there, where it can be stopped; an invalid constraint's reason comes back)."""
+    import xgrammar as xgr
+
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info_json), max_threads=1,
+                                   cache_enabled=False)
+    return lambda request: compile_spec(xgr, compiler, *request).memory_size_bytes
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary (the model's logits width), once each, within
+    `limits` (checked before any work; with a compile deadline, compiled in a worker process that is killed
+    at the deadline or when the compile is cancelled)."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_threads: int = 2,
+                 limits: StructuredOutputLimits | None = None) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         # xgrammar's own cache off: ours is the one that is bounded and measured.
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self.limits = limits or StructuredOutputLimits()
+        self.worker = None
+        if self.limits.compile_timeout_s is not None:
+            self.worker = IsolatedWorker("pagedllm.structured_output:grammar_worker", info.serialize_json(),
+                                         self.limits.compile_memory_bytes)
+        self._running: set[threading.Event] = set()  # the cancel events of compiles in progress
         self.vocab_size = vocab_size
         self.cache_limit_bytes = grammar_cache_limit_bytes()
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
@@ -86,24 +119,32 @@ class GrammarCompiler:
         self._lock = threading.Lock()  # the server validates on its threads, the runner compiles on the engine's
         self._compile_times: list[float] = []  # seconds of each compile (cache miss) not yet taken by /metrics
 
-    def compile(self, params: GuidedDecodingParams):
-        """The compiled grammar; an invalid schema, regex or grammar is an InvalidParameterError naming the field."""
+    def compile(self, params: GuidedDecodingParams, cancel: threading.Event | None = None):
+        """The compiled grammar; an invalid schema, regex or grammar, or one over a limit, is an
+        InvalidParameterError naming the field. Setting `cancel` (or cancel_all) stops a compile in a worker:
+        WorkerCancelled."""
         key = params.key
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        start = time.perf_counter()
         kind, spec = key
+        self._check_limits(params, kind, spec)
+        start = time.perf_counter()
         try:
-            if kind == "json":
-                compiled = self.compiler.compile_grammar(_json_schema_grammar(self._xgr, spec))
-            elif kind == "regex":
-                compiled = self.compiler.compile_regex(spec)
-            elif kind == "grammar":
-                compiled = self.compiler.compile_grammar(spec)
-            else:  # json_object: OpenAI's is an object (xgrammar's built-in JSON grammar allows any value)
-                compiled = self.compiler.compile_grammar(_json_schema_grammar(self._xgr, _ANY_OBJECT))
+            compiled = self._compile(kind, spec, cancel)
+        except WorkerCancelled:
+            raise
+        except WorkerTimeout:
+            raise InvalidParameterError(params.param, f"{params.param}: the constraint did not compile within "
+                                                      f"{self.limits.compile_timeout_s:g} s, this server's limit "
+                                                      f"({FLAGS['compile_timeout_s']}); make it simpler (fewer "
+                                                      f"properties, alternatives or repetitions).") from None
+        except WorkerOutOfMemory:
+            raise InvalidParameterError(params.param, f"{params.param}: compiling the constraint needed more than "
+                                                      f"{self.limits.compile_memory_bytes / 2**30:g} GiB, this server's "
+                                                      f"limit ({FLAGS['compile_memory_bytes']}); make it simpler.") \
+                from None
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own types with the reason
             what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar"}.get(kind, kind)
             raise InvalidParameterError(params.param, f"{params.param}: invalid {what}: "
@@ -117,6 +158,46 @@ class GrammarCompiler:
             while self._cache_bytes > self.cache_limit_bytes and self._cache:
                 self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return compiled
+
+    def _check_limits(self, params: GuidedDecodingParams, kind: str, spec: str) -> None:
+        if params.choice is not None:
+            self.limits.check_choice(params.param, params.choice)
+        schema = None
+        if kind == "json":
+            try:
+                schema = json.loads(spec)
+            except ValueError as e:
+                raise InvalidParameterError(params.param, f"{params.param}: invalid JSON schema: {e}") from None
+        self.limits.check(params.param, kind, spec, schema)
+
+    def _compile(self, kind: str, spec: str, cancel: threading.Event | None):
+        if self.worker is None:
+            return compile_spec(self._xgr, self.compiler, kind, spec)
+        cancel = cancel or threading.Event()
+        with self._lock:
+            self._running.add(cancel)
+        try:
+            # First in the worker, under the deadline and the memory cap; then, known to finish, here. (A
+            # compiled grammar cannot come back from the worker: xgrammar's serialized form is ~100x its size
+            # in memory and takes ~30x the compile time to write.)
+            self.worker.call((kind, spec), self.limits.compile_timeout_s, cancel)
+            if cancel.is_set():
+                raise WorkerCancelled()
+            return compile_spec(self._xgr, self.compiler, kind, spec)
+        finally:
+            with self._lock:
+                self._running.discard(cancel)
+
+    def cancel_all(self) -> None:
+        """Stop every compile in progress (the server is shutting down)."""
+        with self._lock:
+            for event in self._running:
+                event.set()
+
+    def shutdown(self) -> None:
+        self.cancel_all()
+        if self.worker is not None:
+            self.worker.shutdown()
 
     def take_compile_times(self) -> list[float]:
         with self._lock:
@@ -191,9 +272,10 @@ class StructuredOutputManager:
     their matchers, which live on the engine's requests. The runner only applies it: the bitmask travels
     in the step (StepInput.grammar_bitmask), so every executor applies the same constraint."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, limits: StructuredOutputLimits | None = None) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.limits = limits or StructuredOutputLimits()
         self._compiler: GrammarCompiler | None = None
         self._batch = None  # xgrammar's BatchGrammarMatcher, made with the compiler
         self._lock = threading.Lock()
@@ -209,7 +291,7 @@ class StructuredOutputManager:
                                                                    "this model has none")
                 import xgrammar as xgr
 
-                self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size)
+                self._compiler = GrammarCompiler(self._tokenizer, self.vocab_size, limits=self.limits)
                 self._batch = xgr.BatchGrammarMatcher(max_threads=2)
             return self._compiler
 
@@ -218,8 +300,17 @@ class StructuredOutputManager:
         """A constraint has been compiled (the compiler exists)."""
         return self._compiler is not None
 
-    def compile(self, params: GuidedDecodingParams):
-        return self.compiler.compile(params)
+    def compile(self, params: GuidedDecodingParams, cancel: threading.Event | None = None):
+        return self.compiler.compile(params, cancel)
+
+    def cancel_all(self) -> None:
+        """Stop the compiles in progress (a server shutting down)."""
+        if self._compiler is not None:
+            self._compiler.cancel_all()
+
+    def shutdown(self) -> None:
+        if self._compiler is not None:
+            self._compiler.shutdown()
 
     def bitmask(self, requests: list) -> GrammarBitmask | None:
         """The bitmask for a step whose sampling requests are `requests` (engine Requests, in the step's

@@ -156,7 +156,7 @@ def test_fp8_cache_swaps_as_bytes(path):
 
 def test_priority_picks_the_victim(path):
     """The older request with the larger priority value is swapped out, not the newer important one."""
-    engine = LLM(str(path), swap_space=SWAP, preemption_mode="swap", **TIGHT).llm_engine
+    engine = LLM(str(path), swap_space=SWAP, preemption_mode="swap", scheduling_policy="priority", **TIGHT).llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     engine.add_request("unimportant", {"prompt_token_ids": PROMPTS[0]}, params, priority=1)
     engine.add_request("important", {"prompt_token_ids": PROMPTS[1]}, params, priority=0)
@@ -170,7 +170,9 @@ def test_priority_picks_the_victim(path):
 
 
 def test_generate_takes_one_priority_per_prompt(path):
-    llm = LLM(str(path), **ROOMY)
+    with pytest.raises(ValueError, match="scheduling-policy priority"):  # the default policy is fcfs
+        LLM(str(path), **ROOMY).generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1])
+    llm = LLM(str(path), scheduling_policy="priority", **ROOMY)
     outs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=2), use_tqdm=False, priority=[1, 0])
     assert len(outs) == 2
     with pytest.raises(ValueError, match="priorities"):

@@ -687,3 +687,22 @@ def test_seeded_draw_depends_only_on_seed_and_position() -> None:
         assert sample(busy_sampler, logits, [later])[0] == t
         fresh.append_token(t)
         later.append_token(t)
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e-30, 1e30, 3.4e38])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_extreme_repetition_penalty_never_unmasks_a_token(penalty: float, temperature: float) -> None:
+    """A structured output's mask sets forbidden logits to -inf before sampling. A penalty so small it is 0 in
+    float32 (5e-324), or so large the division overflows, once turned -inf * 0 into nan and the allowed row
+    into inf: the draw then picked a masked token (a guided_choice answered ""). Masked stays masked."""
+    vocab = 64
+    allowed = [5, 9]
+    logits = torch.full((8, vocab), float("-inf"))
+    logits[:, 5], logits[:, 9] = 3.0, -2.0
+    reqs = []
+    for i in range(8):
+        r = runner_request(f"r{i}", list(range(vocab)), SamplingParams(temperature=temperature, seed=i,
+                                                                       repetition_penalty=penalty))
+        reqs.append(r)
+    tokens = sample(Sampler(CPU, seed=0), logits, reqs)
+    assert set(tokens) <= set(allowed), tokens

@@ -17,6 +17,7 @@ from pagedllm.config import (
     SchedulerConfig,
     resolve_dtype,
 )
+from pagedllm.structured_output_limits import StructuredOutputLimits
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.model_files import has_tokenizer, load_hf_config, resolve_model_path
 from pagedllm.utils import gib_to_bytes
@@ -82,9 +83,18 @@ class EngineArgs:
     cpu_offload_gb: float = 0.0  # GiB of whole decoder layers' weights kept in host memory (CUDA only)
     swap_space: float = 0.0  # GiB of host memory for preempted requests' KV blocks (vLLM's default: 4)
     preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when there is swap space and it pays
+    scheduling_policy: str = "fcfs"  # "priority": requests' `priority` orders scheduling and preemption
     # Audio models: False turns off repetition-aware sampling (RAS), which the checkpoint's generation_config.json
     # may set (ras_win_len / ras_win_max_num_repeat); RAS redraws repeated codes at random, even for greedy requests.
     repetition_aware_sampling: bool = True
+    # What one structured-output constraint may be and cost (structured_output_limits.py); a compile timeout
+    # compiles in a worker process killed at the deadline (the server's default: 10 s); None compiles here.
+    structured_outputs_max_bytes: int = StructuredOutputLimits.max_spec_bytes
+    structured_outputs_max_properties: int = StructuredOutputLimits.max_properties
+    structured_outputs_max_alternatives: int = StructuredOutputLimits.max_alternatives
+    structured_outputs_max_depth: int = StructuredOutputLimits.max_depth
+    structured_outputs_compile_timeout: float | None = None
+    structured_outputs_compile_memory: int | str = StructuredOutputLimits.compile_memory_bytes
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -134,12 +144,21 @@ class EngineArgs:
         )
         batched = self.max_num_batched_tokens or 2048
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-                                    max_model_len=max_model_len, preemption_mode=self.preemption_mode)
+                                    max_model_len=max_model_len, preemption_mode=self.preemption_mode,
+                                    policy=self.scheduling_policy)
         return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, device=device,
                             enforce_eager=self.enforce_eager, attention_backend=self._attention_backend(),
                             cuda_graph_sizes=None if self.cuda_graph_sizes is None else tuple(self.cuda_graph_sizes),
                             async_output_proc=self._async_output_proc(device),
-                            batch_invariant=self._batch_invariant(), parallel=parallel)
+                            batch_invariant=self._batch_invariant(), parallel=parallel,
+                            structured_outputs=self._structured_output_limits())
+
+    def _structured_output_limits(self) -> StructuredOutputLimits:
+        return StructuredOutputLimits(
+            max_spec_bytes=self.structured_outputs_max_bytes, max_properties=self.structured_outputs_max_properties,
+            max_alternatives=self.structured_outputs_max_alternatives, max_depth=self.structured_outputs_max_depth,
+            compile_timeout_s=self.structured_outputs_compile_timeout,
+            compile_memory_bytes=parse_size(self.structured_outputs_compile_memory))
 
     def _async_output_proc(self, device: str) -> bool:
         if self.disable_async_output_proc:

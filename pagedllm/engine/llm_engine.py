@@ -75,8 +75,8 @@ class LLMEngine:
         self.executor: Executor = make_executor(config)
         # Dropping the last reference to the engine stops its workers and leaves the process group, so the
         # next engine in this process can start (LLM.shutdown() or a `with` block does it at a known point).
-        self._finalizer = weakref.finalize(self, self.executor.shutdown)
-        self.structured_outputs = StructuredOutputManager(tokenizer, config.model.vocab_size)
+        self.structured_outputs = StructuredOutputManager(tokenizer, config.model.vocab_size, config.structured_outputs)
+        self._finalizer = weakref.finalize(self, _shut_down, self.executor, self.structured_outputs)
         try:
             self._set_up(config, at_start)
         except BaseException:
@@ -250,14 +250,23 @@ class LLMEngine:
         if bad:
             raise InvalidPromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
+    def check_priority(self, priority: int) -> None:
+        """A request's priority counts only under --scheduling-policy priority (as vLLM): elsewhere anything but
+        0 is refused, so no client can put itself first on a server whose operator did not ask for it."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise InvalidParameterError("priority", f"priority {priority} needs the engine started with "
+                                                    f"--scheduling-policy priority (scheduling_policy='priority'); "
+                                                    f"under {self.config.scheduler.policy} every request's is 0.")
+
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     stream: bool = False, strict_length: bool = False, priority: int = 0) -> str:
         """Queue a prompt. With `strict_length`, prompt + max_tokens over max_model_len is an error
         (the server's rule) instead of generation ending at max_model_len (the offline rule).
         `priority` (vLLM's: lower is more important) decides who is preempted first when blocks run out."""
         params = params or SamplingParams()
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an integer, got {priority!r}")
+        self.check_priority(priority)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -490,3 +499,11 @@ class LLMEngine:
     def check_integrity(self) -> None:
         """No block leaked or double-owned in the device pool or the host (swap) pool."""
         self.kv_cache.check_integrity()
+
+
+def _shut_down(executor: Executor, structured_outputs: StructuredOutputManager) -> None:
+    """An engine's end (its finalizer: it must not hold the engine): the workers, then the grammar worker."""
+    try:
+        executor.shutdown()
+    finally:
+        structured_outputs.shutdown()

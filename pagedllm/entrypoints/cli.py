@@ -5,8 +5,9 @@ import argparse
 import logging
 import sys
 
-from pagedllm.config import KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATION_METHODS
+from pagedllm.config import KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATION_METHODS, SCHEDULING_POLICIES
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.structured_output_limits import StructuredOutputLimits
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +74,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", default=None, choices=list(PREEMPTION_MODES),
                    help="force swap (needs --swap-space) or recompute preemption; default: swap when there is "
                         "swap space and the request has computed at least one block, else recompute")
+    s = parser.add_argument_group("structured outputs: what one constraint may be and cost (a 400 names the limit)")
+    s.add_argument("--structured-outputs-max-bytes", type=int, default=StructuredOutputLimits.max_spec_bytes,
+                   help="bytes of a JSON schema's text, a regex, a grammar or a choice list")
+    s.add_argument("--structured-outputs-max-properties", type=int, default=StructuredOutputLimits.max_properties,
+                   help="object properties in a whole JSON schema")
+    s.add_argument("--structured-outputs-max-alternatives", type=int,
+                   default=StructuredOutputLimits.max_alternatives,
+                   help="members of one anyOf / oneOf / enum, strings of one choice")
+    s.add_argument("--structured-outputs-max-depth", type=int, default=StructuredOutputLimits.max_depth,
+                   help="nesting of a JSON schema's objects, arrays and combinators")
+    s.add_argument("--structured-outputs-compile-timeout", type=float, default=10.0,
+                   help="seconds one constraint may take to compile, in a worker process that is then killed (400); "
+                        "0: compile in the engine's process with no deadline")
+    s.add_argument("--structured-outputs-compile-memory", default="2GiB",
+                   help="memory the compile worker may take beyond its start (e.g. 2GiB)")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                   help="fcfs: first come first served, a request's priority other than 0 is refused (400); "
+                        "priority: requests' priority field (lower first) orders scheduling and preemption")
     g.add_argument("--repetition-aware-sampling", action=argparse.BooleanOptionalAction, default=True,
                    help="audio models: repetition-aware sampling as the checkpoint's generation_config.json sets it "
                         "(ras_win_len); --no-repetition-aware-sampling turns it off")
@@ -83,7 +102,10 @@ def _max_model_len(value: str) -> int | str:
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})
+    args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})
+    if not args.structured_outputs_compile_timeout:  # 0: no worker, no deadline
+        args.structured_outputs_compile_timeout = None
+    return args
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:

@@ -218,9 +218,14 @@ class Sampler:
         seen = out_counts > 0
         seen[_flat_index([(i, r.prompt_token_ids) for i, r in enumerate(requests)], device, empty=True)] = True
         rep, pres, freq = batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty
-        # Repetition penalty (prompt and output tokens): shrink positive logits, grow negative ones.
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
+        # Repetition penalty (prompt and output tokens): shrink positive logits, grow negative ones. A token
+        # masked out (-inf: a structured output's grammar, a ban) stays masked whatever the penalty, and an
+        # extreme penalty (5e-324 is 0 in float32) saturates at the largest float instead of giving inf or nan:
+        # a penalty can reorder the allowed tokens, never allow a masked one or empty the row.
+        finite_max = torch.finfo(logits.dtype).max
+        penalised = torch.where(logits > 0, logits / rep, logits * rep).nan_to_num_(
+            nan=0.0, posinf=finite_max, neginf=-finite_max)
+        logits = torch.where(seen & (logits > _NEG_INF), penalised, logits)
         # OpenAI presence / frequency penalties (output tokens only).
         logits = logits - freq * out_counts - pres * (out_counts > 0).float()
         return logits

@@ -19,7 +19,8 @@ from tests.server.conftest import (
 )
 
 # 8 blocks of 16 hold one sequence of max_model_len 128; four requests of 100 tokens need 28.
-FLAGS = ["--swap-space", "0.001", "--preemption-mode", "swap", "--num-gpu-blocks-override", "8"]
+FLAGS = ["--swap-space", "0.001", "--preemption-mode", "swap", "--num-gpu-blocks-override", "8",
+         "--scheduling-policy", "priority"]
 SWAP_METRICS = ("pagedllm:num_requests_swapped", "pagedllm:swap_usage_perc", "pagedllm:swapped_out_blocks_total",
                 "pagedllm:swapped_in_blocks_total", "pagedllm:num_preemptions_total")
 
@@ -72,10 +73,19 @@ def test_shared_server_exports_the_swap_metrics_at_zero(server_url):
     assert metric(server_url, "pagedllm:swapped_out_blocks_total") == 0.0
 
 
-def test_priority_is_accepted_in_bodies(server_url):
-    with httpx.Client(base_url=server_url, headers=AUTH, timeout=60) as http:
-        body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "priority": 3}
+def test_priority_is_honoured_only_under_the_priority_policy(server_url, swap_server):
+    """As vLLM: a client's priority counts only on a server started with --scheduling-policy priority; under the
+    default (fcfs) a priority other than 0 is a 400 naming the flag, so no client can jump the queue."""
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "priority": 3}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -1}
+    with httpx.Client(base_url=swap_server, timeout=60) as http:
         assert http.post("/v1/completions", json=body).status_code == 200
-        chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "priority": -1}
         assert http.post("/v1/chat/completions", json=chat).status_code == 200
         assert http.post("/v1/completions", json={**body, "priority": "high"}).status_code == 400
+        assert http.post("/v1/completions", json={**body, "priority": -1e30}).status_code == 400
+    with httpx.Client(base_url=server_url, headers=AUTH, timeout=60) as http:
+        for path, payload in (("/v1/completions", body), ("/v1/chat/completions", chat)):
+            r = http.post(path, json=payload)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "priority" and "--scheduling-policy priority" in r.text
+        assert http.post("/v1/completions", json={**body, "priority": 0}).status_code == 200

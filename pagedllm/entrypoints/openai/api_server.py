@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.audio_args import (
     add_audio_server_args,
     audio_server_config,
 )
+from pagedllm.entrypoints.openai.connections import default_max_connections, http_protocol, refusals
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
 from pagedllm.errors import WorkerError
 from pagedllm.entrypoints.openai.guard import OPEN_PATHS, RETRY_AFTER_S, ServerGuard, default_max_body_bytes
@@ -57,6 +58,8 @@ from pagedllm.entrypoints.openai.protocol import (
     SpeechRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.limits import RequestLimits, add_limit_args
+from pagedllm.entrypoints.openai.request_templates import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.entrypoints.openai.serving import (
     ServingContext,
@@ -71,13 +74,17 @@ logger = logging.getLogger("pagedllm.server")
 def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics: EngineMetrics | None = None,
               audio: AudioServerConfig | None = None, max_body_bytes: int | None = None,
-              max_waiting_requests: int | None = None, tool_call_parser: str | None = None) -> FastAPI:
+              max_waiting_requests: int | None = None, tool_call_parser: str | None = None,
+              limits: RequestLimits | None = None, request_templates: RequestTemplateRenderer | None = None,
+              body_timeout_s: float = 30.0) -> FastAPI:
     """The API; app.state.guard is the ASGI app to serve (the body limit and draining in front of it)."""
     llm_engine = engine.engine
     max_model_len = llm_engine.config.model.max_model_len
-    ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests, tool_call_parser)
+    ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests, tool_call_parser,
+                         limits=limits or RequestLimits(), request_templates=request_templates)
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
-    app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key)
+    app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key,
+                                          body_timeout_s, max_prompt_tokens=max_model_len)
     app.openapi = lambda: truthful_openapi(app, OPEN_PATHS, api_key is not None, app.state.audio is not None,
                                            llm_engine.config.model.vocab_size)
     app.state.audio = None
@@ -311,9 +318,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="how tool calls are read from the model's reply: hermes (<tool_call> blocks: Qwen, Hermes) "
                         "or llama3_json (a JSON object: Llama 3.1+)")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's head (request line and headers) may take to arrive; slower "
+                        "connections are closed")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may go without sending a byte; then 408")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help="connections served at once, more get 503 (default: the open-files limit, raised to its "
+                        "hard limit at start, less 256)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests may take to finish after SIGTERM/SIGINT before they are "
                         "ended with an error (a second signal ends them at once)")
+    add_limit_args(parser.add_argument_group("request limits (each a 400 naming its flag)"))
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     add_audio_server_args(parser)
@@ -352,6 +368,16 @@ def _read_chat_template(value: str | None) -> str | None:
     return value
 
 
+def resolve_api_key(flag: str | None) -> str | None:
+    """--api-key, else PAGEDLLM_API_KEY, else None (no key). An empty or blank key is refused: it would turn
+    authentication off without a word (`--api-key "$KEY"` with KEY unset)."""
+    source, key = ("--api-key", flag) if flag is not None else ("PAGEDLLM_API_KEY", os.environ.get("PAGEDLLM_API_KEY"))
+    if key is not None and not key.strip():
+        raise ValueError(f"{source} is empty: an empty key would leave the server open to anyone. Give a key, or "
+                         f"leave {source} out to serve without one.")
+    return key
+
+
 def run_server(ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -363,7 +389,7 @@ def run_server(ns: argparse.Namespace) -> int:
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     chat_template = _read_chat_template(ns.chat_template)
-    api_key = ns.api_key or os.environ.get("PAGEDLLM_API_KEY") or None
+    api_key = resolve_api_key(ns.api_key)
     config = engine_args_from(ns).create_engine_config()  # bad settings are refused here, before any replica
     if ns.data_parallel_size != 1:
         if ns.data_parallel_size < 1:
@@ -384,24 +410,49 @@ def run_server(ns: argparse.Namespace) -> int:
     stop_on_lost_worker = _StopOnLostWorker()
     engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step, abort_listener=metrics.on_abort,
                             failure_listener=stop_on_lost_worker)
+    request_templates = None
+    if ns.trust_request_chat_template:
+        special = getattr(tokenizer, "special_tokens_map", {}) if tokenizer is not None else {}
+        request_templates = RequestTemplateRenderer({k: v for k, v in special.items() if isinstance(v, str)},
+                                                    timeout_s=ns.request_chat_template_timeout)
     app = build_app(engine, names, api_key, chat_template, metrics, audio, ns.max_request_body_bytes,
-                    ns.max_waiting_requests, ns.tool_call_parser if ns.enable_auto_tool_choice else None)
+                    ns.max_waiting_requests, ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+                    RequestLimits.from_args(ns), request_templates, ns.body_timeout)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
                 llm_engine.config.model.max_model_len)
-    server = DrainingServer(uvicorn.Config(app.state.guard, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                                           access_log=not ns.disable_log_requests),
-                            engine, app.state.guard, ns.shutdown_timeout)
+    def stop_isolated_work() -> None:  # compiles and request templates in progress: their workers are killed
+        llm_engine.structured_outputs.cancel_all()
+        if request_templates is not None:
+            request_templates.shutdown()
+
+    server = DrainingServer(uvicorn_config(app.state.guard, ns), engine, app.state.guard, ns.shutdown_timeout,
+                            on_force=stop_isolated_work)
     stop_on_lost_worker.server = server
     try:
         server.run()
     finally:
         engine.shutdown()
+        if request_templates is not None:
+            request_templates.shutdown()
         if app.state.audio is not None:
             app.state.audio.shutdown()
     if isinstance(engine.errored, WorkerError):
         logger.error("exiting: %s", engine.errored)
         return 1
-    return 0
+    return 1 if server.forced else 0
+
+
+def uvicorn_config(app, ns: argparse.Namespace):
+    """uvicorn serving `app` with pagedllm's connection limits: a deadline on each request's head, at most
+    --max-connections at once (more get 503), idle kept-alive connections closed after 5 s, open connections
+    given 2 s once the server stops, refusals logged once per interval."""
+    import uvicorn
+
+    refusals.install()
+    return uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                          access_log=not ns.disable_log_requests, http=http_protocol(ns.header_timeout),
+                          limit_concurrency=ns.max_connections or default_max_connections(),
+                          timeout_keep_alive=5, timeout_graceful_shutdown=CLOSE_GRACE_S)
 
 
 class _StopOnLostWorker:
@@ -419,12 +470,19 @@ class _StopOnLostWorker:
             server.loop.call_soon_threadsafe(server.loop.call_later, self.GRACE_S, server.stop)
 
 
+CLOSE_GRACE_S = 2  # after the drain: for error events to be written and connections to close
+FORCE_EXIT_S = 10.0  # past the drain and that grace, a process still up exits (os._exit): shutdown always ends
+
+
 class DrainingServer:
     """uvicorn's server with pagedllm's shutdown: on the first SIGTERM/SIGINT new requests get 503 and running
     ones have `timeout` seconds to finish; then (or at a second signal) each one left ends with an error
-    event, and the server exits with status 0 (the signal is not raised again)."""
+    event, work in worker processes (compiles, request templates) is killed (`on_force`), connections still
+    open (slow bodies) get CLOSE_GRACE_S, and the server exits: status 0 after a clean drain, 1 after a forced
+    one (`forced`). A watchdog ends the process FORCE_EXIT_S after that whatever it is doing."""
 
-    def __init__(self, config, engine: AsyncLLMEngine, guard: ServerGuard, timeout: float) -> None:
+    def __init__(self, config, engine: AsyncLLMEngine, guard: ServerGuard, timeout: float,
+                 on_force=None) -> None:
         import uvicorn
 
         outer = self
@@ -435,6 +493,8 @@ class DrainingServer:
 
         self.server = _Server(config)
         self.engine, self.guard, self.timeout = engine, guard, timeout
+        self.on_force = on_force
+        self.forced = False
         self._drain: asyncio.Task | None = None
         self._now: asyncio.Event | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -457,9 +517,11 @@ class DrainingServer:
             self.guard.draining = True
             self._now = asyncio.Event()
             self._drain = self.loop.create_task(self._shutdown())
+            _watchdog(self.timeout + CLOSE_GRACE_S + FORCE_EXIT_S)
         else:
             logger.info("signal %d again: ending the running requests now", sig)
             self._now.set()
+            _watchdog(CLOSE_GRACE_S + FORCE_EXIT_S)
 
     async def _shutdown(self) -> None:
         waited = asyncio.ensure_future(self.guard.wait_idle(self.timeout))
@@ -467,10 +529,27 @@ class DrainingServer:
         await asyncio.wait([waited, now], return_when=asyncio.FIRST_COMPLETED)
         now.cancel()
         if self.guard.in_flight:
+            self.forced = True
             logger.warning("ending %d request(s) still running", self.guard.in_flight)
             self.engine.abort_all("the server is shutting down: this request was ended before it finished")
-            await self.guard.wait_idle(10)  # their error events are written
+            self.guard.stop_reading()
+            if self.on_force is not None:
+                self.on_force()
+            await self.guard.wait_idle(CLOSE_GRACE_S)  # their error events are written
         self.server.should_exit = True
+
+
+def _watchdog(seconds: float) -> None:
+    """End the process `seconds` from now if it has not ended (a daemon thread: it never keeps it alive)."""
+    import threading
+
+    def expire() -> None:
+        time.sleep(seconds)
+        logger.error("shutdown did not end within %.0f s: exiting now", seconds)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=expire, daemon=True, name="pagedllm-shutdown-watchdog").start()
 
 
 def build_parser() -> argparse.ArgumentParser:

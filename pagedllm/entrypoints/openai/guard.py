@@ -16,6 +16,9 @@ from pagedllm.entrypoints.openai.errors import error_body
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
                         "/docs/oauth2-redirect"})
 RETRY_AFTER_S = 5
+# Bodies over this are looked at off the event loop before a route parses them: a prompt of more token ids than
+# the model's context is refused there (1.2M ids took pydantic 1.6 s of the event loop to refuse).
+LARGE_BODY_BYTES = 1 << 20
 
 
 def default_max_body_bytes(max_model_len: int) -> int:
@@ -28,18 +31,30 @@ class _ClientGone(Exception):
     pass
 
 
+class _BodyStalled(Exception):
+    pass
+
+
+class _StoppedReading(Exception):
+    pass
+
+
 class ServerGuard:
     """ASGI middleware. Every route but OPEN_PATHS needs the key (when one is set), checked before the body is
     read; `draining` and `wait_idle` are the shutdown sequence's."""
 
-    def __init__(self, app, max_body_bytes: int, api_key: str | None = None) -> None:
+    def __init__(self, app, max_body_bytes: int, api_key: str | None = None, body_timeout_s: float = 30.0,
+                 max_prompt_tokens: int | None = None) -> None:
         self.app = app
+        self.max_prompt_tokens = max_prompt_tokens
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.api_key = api_key
         self.draining = False
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._stop_reading = asyncio.Event()  # a forced shutdown: bodies still arriving get 503 at once
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -64,28 +79,54 @@ class ServerGuard:
             if body is None:
                 await _send_error(send, 413, self._too_large(f"more than {self.max_body_bytes} bytes"))
                 return
+            if self.max_prompt_tokens is not None and len(body) > LARGE_BODY_BYTES:
+                refusal = await asyncio.to_thread(overlong_token_prompt, body, self.max_prompt_tokens)
+                if refusal is not None:
+                    await _send_error(send, 400, refusal, param="prompt")
+                    return
             await self.app(scope, _replay(body, receive), send)
         except _ClientGone:
             pass
+        except _BodyStalled:
+            await _send_error(send, 408, f"The request body stalled: no bytes came for {self.body_timeout_s:g} s "
+                                         f"(--body-timeout).", {"connection": "close"})
+        except _StoppedReading:
+            await _send_error(send, 503, "The server is shutting down: this request's body was still arriving.",
+                              {"connection": "close", "retry-after": str(RETRY_AFTER_S)})
         finally:
             self.in_flight -= 1
             if self.in_flight == 0:
                 self._idle.set()
 
     async def _read_body(self, receive) -> bytes | None:
-        """The whole body, or None as soon as it passes the limit (the rest is never read)."""
+        """The whole body, or None as soon as it passes the limit (the rest is never read). A body that sends
+        nothing for body_timeout_s raises _BodyStalled; stop_reading() ends every read at once."""
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left while sending: nothing to answer
-                raise _ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        stopping = asyncio.ensure_future(self._stop_reading.wait())
+        try:
+            while True:
+                receiving = asyncio.ensure_future(receive())
+                done, _ = await asyncio.wait({receiving, stopping}, timeout=self.body_timeout_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if receiving not in done:
+                    receiving.cancel()
+                    raise _StoppedReading() if stopping in done else _BodyStalled()
+                message = receiving.result()
+                if message["type"] != "http.request":  # the client left while sending: nothing to answer
+                    raise _ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self.max_body_bytes:
+                    return None
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        finally:
+            stopping.cancel()
+
+    def stop_reading(self) -> None:
+        """A forced shutdown: requests whose bodies are still arriving are answered 503 now."""
+        self._stop_reading.set()
 
     def _authorized(self, scope) -> bool:
         header = _header(scope, b"authorization") or b""
@@ -134,8 +175,25 @@ def _content_length(scope) -> int | None:
         return None
 
 
-async def _send_error(send, status: int, message: str, headers: dict[str, str] | None = None) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+def overlong_token_prompt(body: bytes, max_tokens: int) -> str | None:
+    """Why a body's `prompt` of token ids (one list, or a list of lists) cannot fit `max_tokens`, or None."""
+    try:
+        prompt = json.loads(body).get("prompt")
+    except (ValueError, AttributeError):  # not a JSON object: the route answers what is wrong with it
+        return None
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    lengths = [len(p) for p in prompt if isinstance(p, list)] if isinstance(prompt[0], list) else [len(prompt)]
+    longest = max(lengths, default=0)
+    if longest <= max_tokens:
+        return None
+    return (f"This model's maximum context length is {max_tokens} tokens; the prompt has {longest} token ids "
+            f"(refused before parsing the rest of the request).")
+
+
+async def _send_error(send, status: int, message: str, headers: dict[str, str] | None = None,
+                      param: str | None = None) -> None:
+    body = json.dumps(error_body(status, message, param)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pagedllm.errors import InvalidParameterError
 from pagedllm.sampling_params import SamplingParams
@@ -185,6 +185,18 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _token_ids_in_one_pass(cls, value: Any, handler):
+        """Token ids are checked in one pass of the list: pydantic's union tries each member on every element
+        (a million ids held the event loop 1.6 s). Anything else goes through the union as before."""
+        if isinstance(value, list) and value:
+            if all(type(t) is int for t in value):
+                return value
+            if all(type(p) is list and all(type(t) is int for t in p) for p in value):
+                return value
+        return handler(value)
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()

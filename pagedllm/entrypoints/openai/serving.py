@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,6 +15,9 @@ from fastapi import Request
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
 from pagedllm.entrypoints.openai.errors import APIError, error_body, param_of
 from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S
+from pagedllm.entrypoints.openai.limits import RequestLimits
+from pagedllm.entrypoints.openai.request_templates import FLAG as TRUST_TEMPLATE_FLAG
+from pagedllm.entrypoints.openai.request_templates import RequestTemplateError, RequestTemplateRenderer
 from pagedllm.entrypoints.openai.tool_calls import (
     ConstrainedCallReader,
     ToolCall,
@@ -25,6 +29,7 @@ from pagedllm.entrypoints.openai.tool_calls import (
 )
 from pagedllm.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 from pagedllm.errors import InvalidParameterError, InvalidPromptError
+from pagedllm.isolated_worker import WorkerCancelled
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GuidedDecodingParams
@@ -67,6 +72,13 @@ class ServingContext:
     # the tokenizer is never used by two of them at once.
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer"))
+    # Work one request can make long (its grammar's compile, its own chat template) waits on worker processes
+    # from these threads: never on the tokenizer's, so other requests' prompts never queue behind it.
+    isolated_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="pagedllm-isolated"))
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Requests' own chat templates: None refuses them (400), else they render in its worker process.
+    request_templates: RequestTemplateRenderer | None = None
 
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested == "":
@@ -104,33 +116,69 @@ class ServingContext:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
     async def tokenize(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a prompt, off the engine thread. Text over _CHARS_PER_TOKEN_CHECK characters per token
-        of max_model_len is measured on such a prefix first, and refused if that alone does not fit."""
+        """Token ids of a prompt, off the engine thread, refused first if it cannot fit (refuse_if_too_long)."""
         check_text(text, param)
         tokenizer = self._tokenizer()
+        await self.refuse_if_too_long(text, param, add_special_tokens)
+        return await self.run(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def refuse_if_too_long(self, text: str, param: str, add_special_tokens: bool = True) -> None:
+        """Text over _CHARS_PER_TOKEN_CHECK characters per token of max_model_len is measured on such a prefix
+        first, and refused if that alone does not fit: megabytes of text are never tokenized whole."""
         limit = self.max_model_len * _CHARS_PER_TOKEN_CHECK
         if len(text) > limit:
+            tokenizer = self._tokenizer()
             head = await self.run(lambda: len(tokenizer.encode(text[:limit], add_special_tokens=add_special_tokens)))
             if head >= self.max_model_len:
                 raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens; the "
                                     f"{param} is longer: its first {limit} of {len(text)} characters alone are "
                                     f"{head} tokens.", param)
-        return await self.run(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    async def compile_constraint(self, params: SamplingParams) -> None:
+    async def isolated(self, fn, raw: Request | None, *args):
+        """fn(*args, cancel) on the isolated pool. The client leaving (`raw`) or this task's cancellation (the
+        server stopping) sets `cancel`, which kills the worker process doing the work."""
+        cancel = threading.Event()
+        work = asyncio.get_running_loop().run_in_executor(self.isolated_pool, lambda: fn(*args, cancel))
+        try:
+            return await (unless_disconnected(work, raw) if raw is not None else work)
+        except WorkerCancelled:
+            raise APIError(503, "the server is shutting down: this request was ended before it started",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        finally:
+            cancel.set()
+
+    async def compile_constraint(self, params: SamplingParams, raw: Request | None = None) -> None:
         """A structured output's grammar, compiled off the engine thread (the engine then finds it cached);
-        an invalid schema, regex or grammar is a 400 naming its field."""
+        an invalid schema, regex or grammar, or one over a limit, is a 400 naming its field."""
         if params.guided_decoding is None:
             return
         try:
-            await self.run(lambda: self.engine.engine.structured_outputs.compile(params.guided_decoding))
+            await self.isolated(self.engine.engine.structured_outputs.compile, raw, params.guided_decoding)
         except InvalidParameterError as e:
             raise APIError(400, str(e), e.param) from None
 
     async def render_chat(self, messages: list[dict], template: str | None, add_generation_prompt: bool,
-                          tools: list[dict] | None = None) -> tuple[str, list[int]]:
-        """The conversation (and tools) through the chat template -> (text, token ids), off the engine thread."""
+                          tools: list[dict] | None = None, request_template: str | None = None,
+                          raw: Request | None = None) -> tuple[str, list[int]]:
+        """The conversation (and tools) through the chat template -> (text, token ids), off the engine thread.
+        Messages that alone cannot fit are refused before any template runs. A `request_template` (the
+        request's own) renders in a worker process, and only where the server trusts request templates."""
+        contents = "".join(m["content"] for m in messages if isinstance(m.get("content"), str))
+        await self.refuse_if_too_long(contents, "messages", add_special_tokens=False)
         engine = self.engine.engine
+        if request_template is not None:
+            if self.request_templates is None:
+                raise APIError(400, f"chat_template in a request is refused: a template is a program run on the "
+                                    f"server, and this one was not started with {TRUST_TEMPLATE_FLAG}. Leave "
+                                    f"chat_template out to use the model's template.", "chat_template")
+            try:
+                text = await self.isolated(self.request_templates.render, raw, request_template, messages, tools,
+                                           add_generation_prompt)
+            except RequestTemplateError as e:
+                raise APIError(400, str(e), "chat_template") from None
+            await self.refuse_if_too_long(text, "messages", add_special_tokens=False)
+            tokenizer = self._tokenizer()
+            return text, await self.run(lambda: tokenizer.encode(text, add_special_tokens=False))
         try:
             return await self.run(engine.apply_chat_template, messages, template, add_generation_prompt, tools)
         except ValueError as e:
@@ -146,6 +194,7 @@ def _sampling_params(ctx: ServingContext, req, max_tokens: int | None, logprobs:
     for param, why in req.unsupported():
         raise APIError(400, why, param)
     try:
+        ctx.engine.engine.check_priority(req.priority)
         params = req.to_sampling_params(max_tokens, logprobs, default_max_tokens)
     except ValueError as e:
         raise APIError(400, str(e), param_of(e)) from None
@@ -252,11 +301,15 @@ def _with_cache_salt(prompt: str | dict, cache_salt: str | None) -> str | dict:
 
 async def _start(ctx: ServingContext, prefix: str, prompts: list, params: SamplingParams,
                  cache_salt: str | None = None, priority: int = 0,
-                 admission: Admission | None = None) -> list[AsyncIterator[RequestOutput]]:
+                 admission: Admission | None = None, raw: Request | None = None) -> list[AsyncIterator[RequestOutput]]:
     """Submit every prompt (text tokenized off the engine thread first); the first invalid one aborts those
     already submitted and raises 400. Admitted here (ctx.admit) unless the caller already was (`admission`)."""
+    try:
+        ctx.engine.engine.check_priority(priority)  # before any work on the prompts
+    except InvalidParameterError as e:
+        raise APIError(400, str(e), e.param) from None
     with admission or ctx.admit() as admission:
-        await ctx.compile_constraint(params)
+        await ctx.compile_constraint(params, raw)
         prompts = [{"prompt": p, "prompt_token_ids": await ctx.tokenize(p)} if isinstance(p, str) else p
                    for p in prompts]
         admission.release()  # the engine counts the request from its add_request on: no await in between
@@ -363,7 +416,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     params = _sampling_params(ctx, req, req.max_tokens, req.logprobs, 16)
     if req.echo and req.logprobs is not None:
         params = params.clone(prompt_logprobs=req.logprobs)
-    streams = await _start(ctx, "cmpl", prompts, params, req.cache_salt, req.priority)
+    ctx.limits.check(params, len(prompts), params.max_tokens or ctx.max_model_len)
+    streams = await _start(ctx, "cmpl", prompts, params, req.cache_salt, req.priority, raw=raw)
     created, rid, n = int(time.time()), f"cmpl-{uuid.uuid4().hex}", params.n
 
     tokenizer = ctx.engine.engine.tokenizer
@@ -558,11 +612,12 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                                 f"{params.guided_decoding.param}: give one", "tool_choice")
         params = params.clone(guided_decoding=tools.constraint)
     messages = _messages(req)
-    template = req.chat_template or ctx.chat_template
+    ctx.limits.check(params, 1, params.max_tokens or ctx.max_model_len, "top_logprobs")
     with ctx.admit() as admission:
-        text, ids = await ctx.render_chat(messages, template, req.add_generation_prompt, tools.rendered)
+        text, ids = await ctx.render_chat(messages, ctx.chat_template, req.add_generation_prompt, tools.rendered,
+                                          req.chat_template, raw)
         streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params, req.cache_salt,
-                               req.priority, admission)
+                               req.priority, admission, raw)
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
 
     if not req.stream:
