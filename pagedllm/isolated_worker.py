@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -50,11 +51,13 @@ class IsolatedWorker:
         self._conn: Connection | None = None
         self._lock = threading.Lock()
         self.restarts = 0  # workers killed (deadline, cancel, memory)
+        self._closed = False  # shut down: no restart in the background
 
     def call(self, request: Any, timeout_s: float, cancel: threading.Event | None = None) -> Any:
         with self._lock:
             if cancel is not None and cancel.is_set():  # cancelled while it waited for the worker
                 raise WorkerCancelled()
+            self._closed = False
             conn = self._ensure_started()
             conn.send(request)
             deadline = time.monotonic() + timeout_s
@@ -81,8 +84,8 @@ class IsolatedWorker:
     def _ensure_started(self) -> Connection:
         if self._process is None or self._process.poll() is not None:
             parent, child = socket.socketpair()
-            process = subprocess.Popen([sys.executable, "-c", _WORKER_ENTRY, self.handler, str(child.fileno()),
-                                        str(self.memory_bytes)], pass_fds=(child.fileno(),))
+            process = _spawn([sys.executable, "-c", _WORKER_ENTRY, self.handler, str(child.fileno()),
+                              str(self.memory_bytes)], pass_fds=(child.fileno(),))
             child.close()
             conn = Connection(parent.detach())
             conn.send(self.init)
@@ -96,16 +99,62 @@ class IsolatedWorker:
         return self._conn
 
     def _kill(self, why: str) -> None:
+        """Stop the worker (called holding the lock) and start its successor in the background, so that the
+        next call does not wait for its start-up."""
         logger.warning("%s stopped (%s): its worker process is restarted", self.handler.split(":")[-1], why)
         self.restarts += 1
-        self.shutdown()
+        self._stop_process()
+        threading.Thread(target=self._restart, daemon=True, name="pagedllm-worker-restart").start()
+
+    def _restart(self) -> None:
+        with self._lock:
+            if not self._closed:
+                try:
+                    self._ensure_started()
+                except RuntimeError as e:  # the next call tries again, and reports it
+                    logger.warning("%s", e)
 
     def shutdown(self) -> None:
+        """Stop the worker for good (a later call starts one again)."""
+        self._closed = True
+        self._stop_process()
+
+    def _stop_process(self) -> None:
         process, conn, self._process, self._conn = self._process, self._conn, None, None
         if process is not None:
             process.kill()
             process.wait(5)
             conn.close()
+
+
+_spawn_requests: queue.SimpleQueue = queue.SimpleQueue()
+_spawner_lock = threading.Lock()
+_spawner: threading.Thread | None = None
+
+
+def _spawn(args: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen:
+    """Popen on one long-lived thread: the kernel's parent-death signal fires when the *thread* that started a
+    process exits, so a worker started from a passing thread (a restart, a request's) would be killed with it."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or not _spawner.is_alive():
+            _spawner = threading.Thread(target=_spawn_forever, daemon=True, name="pagedllm-worker-spawner")
+            _spawner.start()
+    answer: queue.SimpleQueue = queue.SimpleQueue()
+    _spawn_requests.put((args, pass_fds, answer))
+    result = answer.get()
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def _spawn_forever() -> None:
+    while True:
+        args, pass_fds, answer = _spawn_requests.get()
+        try:
+            answer.put(subprocess.Popen(args, pass_fds=pass_fds))
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            answer.put(e)
 
 
 def _cap_address_space(extra_bytes: int) -> None:

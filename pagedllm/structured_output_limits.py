@@ -1,6 +1,6 @@
 """What one structured-output constraint may cost before it is compiled: its size and shape are checked first
 (a 400 naming the limit, in microseconds), then the compile itself runs under a deadline and a memory cap
-(grammar_worker.py). Compile time grows fast with a JSON schema's properties and alternatives (4,000 optional
+(isolated_worker.py). Compile time grows fast with a JSON schema's properties and alternatives (4,000 optional
 properties took 28 s; 20,000 took more than 7 minutes and 9 GiB), so both are bounded."""
 from __future__ import annotations
 

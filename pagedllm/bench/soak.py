@@ -3,7 +3,9 @@
 Clients (threads) send completions and chat, streamed or not (and speech when the server documents
 /v1/audio/speech); a share of the streams is abandoned after a few chunks, a share of the requests is
 malformed (bad JSON, wrong types, unknown model), a share is an oversize body (announced by its
-Content-Length, only its first bytes sent). Per minute: requests served, errors by kind, p50/p99 latency of
+Content-Length, only its first bytes sent), and a share is abusive but cheap to send (issue 35's kinds: a
+looping request chat template, a schema over the structured-output limits, a long stop list, a wide prompts x n,
+a body that stalls, a non-streamed request whose client leaves at once). Per minute: requests served, errors by kind, p50/p99 latency of
 the well-formed requests that ran to the end, the server's resident memory (its /metrics), and at the end the
 KV blocks in use once idle (/v1/memory). A 5xx other than 503 counts as an error of the server."""
 from __future__ import annotations
@@ -13,7 +15,6 @@ import json
 import logging
 import random
 import socket
-import statistics
 import threading
 import time
 from collections import Counter
@@ -27,6 +28,27 @@ MALFORMED = [
     b'{"model": "no-such-model", "prompt": "hi"}',  # unknown model
     b'{"prompt": [1.0, true]}',  # token ids that are not integers
 ]
+
+
+LOOPING_TEMPLATE = "{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}hello"
+ABUSIVE_KINDS = ("template", "schema", "stop-list", "wide-n", "slow-body", "dropped")
+
+
+def abusive_body(kind: str, model: str) -> tuple[str, dict]:
+    """(path, JSON body) of an abusive request the server must refuse at once (or bound: the template)."""
+    chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    if kind == "template":
+        return "/v1/chat/completions", {**chat, "chat_template": LOOPING_TEMPLATE}
+    if kind == "schema":
+        schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20_000)}}
+        return "/v1/chat/completions", {**chat, "response_format": {"type": "json_schema",
+                                                                    "json_schema": {"name": "big", "schema": schema}}}
+    if kind == "stop-list":
+        return "/v1/completions", {"model": model, "prompt": "hi", "max_tokens": 4,
+                                   "stop": [f"stop-{i}" for i in range(10_000)]}
+    if kind == "wide-n":
+        return "/v1/completions", {"model": model, "prompt": ["hi"] * 400, "n": 256, "max_tokens": 4}
+    raise ValueError(kind)
 
 
 @dataclass
@@ -80,6 +102,9 @@ class Soak:
                         r = c.post("/v1/completions", content=rng.choice(MALFORMED),
                                    headers={"content-type": "application/json"})
                         self.record("malformed", r.status_code)
+                    elif roll < (self.args.oversize_fraction + self.args.malformed_fraction
+                                 + self.args.abusive_fraction):
+                        self.abusive(c, rng.choice(self.args.abusive_kinds))
                     else:
                         self.well_formed(c, rng)
                 except httpx.HTTPError as e:
@@ -123,20 +148,46 @@ class Soak:
         else:
             self.record(kind, "stream-error" if errors else 200, None if errors else time.monotonic() - t)
 
-    def oversize(self) -> None:
-        """An announced body over the server's limit; only its first 64 KiB are sent."""
+    def abusive(self, c, kind: str) -> None:
+        import httpx
+
+        if kind == "slow-body":
+            self.record(kind, self.slow_body())
+        elif kind == "dropped":  # a non-streamed request whose client leaves before the answer
+            try:
+                c.post("/v1/completions", timeout=0.2, json={"model": self.model, "prompt": "the cat",
+                                                             "max_tokens": self.args.max_tokens, "ignore_eos": True})
+                self.record(kind, "answered")
+            except httpx.TimeoutException:
+                self.record(kind, "dropped")
+        else:
+            path, body = abusive_body(kind, self.model)
+            self.record(kind, c.post(path, json=body).status_code)
+
+    def _raw(self, head: str, first_bytes: bytes) -> int:
+        """Send a request's head and its first body bytes, then nothing: the status the server answers."""
         u = urlparse(self.base)
-        auth = f"Authorization: {self.headers['Authorization']}\r\n" if self.headers else ""
-        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n{auth}"
-                f"Content-Length: {self.args.oversize_bytes}\r\nConnection: close\r\n\r\n")
         with socket.create_connection((u.hostname, u.port or 80), timeout=self.args.request_timeout) as s:
             s.sendall(head.encode())
             try:
-                s.sendall(b"{" + b" " * 65535)
+                s.sendall(first_bytes)
             except OSError:
                 pass
-            status = s.recv(64).split(b" ", 2)[1].decode()
-        self.record("oversize", int(status))
+            return int(s.recv(64).split(b" ", 2)[1].decode())
+
+    def _head(self, length: int) -> str:
+        u = urlparse(self.base)
+        auth = f"Authorization: {self.headers['Authorization']}\r\n" if self.headers else ""
+        return (f"POST /v1/completions HTTP/1.1\r\nHost: {u.hostname}\r\nContent-Type: application/json\r\n"
+                f"{auth}Content-Length: {length}\r\nConnection: close\r\n\r\n")
+
+    def slow_body(self) -> int:
+        """A body that stops after its first bytes: the server answers 408 at its --body-timeout."""
+        return self._raw(self._head(1000), b'{"prompt": "hi", ')
+
+    def oversize(self) -> None:
+        """An announced body over the server's limit; only its first 64 KiB are sent."""
+        self.record("oversize", self._raw(self._head(self.args.oversize_bytes), b"{" + b" " * 65535))
 
     def server_rss(self) -> float | None:
         import httpx
@@ -165,8 +216,10 @@ class Soak:
 
 
 def _served(o: Outcome) -> bool:
-    """Answered as it should be: 200, or a 4xx for a deliberately bad request."""
-    return o.status == 200 or (o.kind in ("malformed", "oversize") and isinstance(o.status, int)
+    """Answered as it should be: 200, a 4xx for a deliberately bad or abusive request, a dropped request left."""
+    if o.kind == "dropped":
+        return o.status in ("dropped", "answered")
+    return o.status == 200 or (o.kind in ("malformed", "oversize", *ABUSIVE_KINDS) and isinstance(o.status, int)
                                and 400 <= o.status < 500)
 
 
@@ -202,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--malformed-fraction", type=float, default=0.05)
     p.add_argument("--oversize-fraction", type=float, default=0.01)
     p.add_argument("--oversize-bytes", type=int, default=50_000_000)
+    p.add_argument("--abusive-fraction", type=float, default=0.05,
+                   help="share of abusive requests, spread over --abusive-kinds")
+    p.add_argument("--abusive-kinds", type=lambda v: v.split(","), default=list(ABUSIVE_KINDS),
+                   help=f"comma-separated, of {','.join(ABUSIVE_KINDS)} (a slow body holds its client until the "
+                        f"server's --body-timeout)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--request-timeout", type=float, default=120.0)
@@ -211,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.minutes < 1 or args.concurrency < 1 or not args.window_seconds > 0:
         raise ValueError("--minutes, --concurrency and --window-seconds must be >= 1, >= 1 and > 0")
+    unknown = set(args.abusive_kinds) - set(ABUSIVE_KINDS)
+    if unknown:
+        raise ValueError(f"--abusive-kinds: unknown {sorted(unknown)}; the kinds are {', '.join(ABUSIVE_KINDS)}")
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     soak = Soak(args)

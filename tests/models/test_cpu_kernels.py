@@ -153,13 +153,15 @@ def test_kernels_off_by_environment(monkeypatch):
         cpu_kernels_module.load_cpu_kernels.cache_clear()
 
 
-def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
+def _broken(*args, **kwargs):
+    raise RuntimeError("Error building extension 'pagedllm_cpu': g++: command not found")
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
     import torch.utils.cpp_extension
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("Error building extension 'pagedllm_cpu': g++: command not found")
-
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there: the builder runs
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", _broken)
     cpu_kernels_module.load_cpu_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_kernels_module.__name__):
@@ -170,6 +172,22 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
         cpu_kernels_module.load_cpu_kernels.cache_clear()
     assert cpu_kernels() is not None  # built again from the disk cache once the builder works
     assert cpu_backend_module.cpu_kernels is cpu_kernels
+
+
+def test_a_built_extension_loads_without_running_the_builder(monkeypatch):
+    """Once built, the kernels load from PyTorch's extension cache directly: the builder (ninja) never runs
+    again, so two ninja versions on one machine cannot make each process rebuild them."""
+    import torch.utils.cpp_extension
+
+    assert cpu_kernels() is not None  # built (or loaded) the usual way
+    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", _broken)
+    cpu_kernels_module.load_cpu_kernels.cache_clear()
+    try:
+        kernels = cpu_kernels()
+        assert kernels is not None and hasattr(kernels, "paged_decode_attention")
+    finally:
+        monkeypatch.undo()
+        cpu_kernels_module.load_cpu_kernels.cache_clear()
 
 
 def test_a_lock_left_by_an_interrupted_build_is_removed(monkeypatch, tmp_path, caplog):

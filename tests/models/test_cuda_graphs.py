@@ -60,8 +60,8 @@ def _replays(llm) -> dict[int, int]:
     return counts
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# Each case runs the interpreted kernels twice (seconds each): each architecture with one sampling mode.
+@pytest.mark.parametrize("arch,sampling", [("llama", "greedy"), ("qwen3", "seeded")])
 def test_tokens_with_graphs_equal_tokens_without(tiny_models, arch, sampling):
     """Every size (1, 2, 4, 8) replayed, most with padded rows (7, 6, 5 and 3 rows); the prefill steps
     run eagerly. Same tokens; logprobs within float32 rounding (a padded batch's matmuls are another

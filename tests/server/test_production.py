@@ -276,12 +276,14 @@ def test_bench_soak_reports_each_window_and_an_idle_engine_at_the_end(server_url
     out = tmp_path / "soak.json"
     rc = soak_main(["--base-url", server_url, "--api-key", API_KEY, "--minutes", "2", "--window-seconds", "3",
                     "--concurrency", "4", "--oversize-fraction", "0.1", "--malformed-fraction", "0.2",
-                    "--abort-fraction", "0.3", "--max-tokens", "8", "--output-json", str(out)])
+                    "--abort-fraction", "0.3", "--max-tokens", "8", "--abusive-fraction", "0.3",
+                    "--abusive-kinds", "template,schema,stop-list,wide-n,dropped", "--output-json", str(out)])
     report = json.loads(out.read_text())
     assert rc == 0, report["total"]
     assert [r["minute"] for r in report["minutes"]] == [1, 2]
     assert report["total"]["server_errors"] == 0 and report["total"]["kv_when_idle"]["blocks_used"] == 0
     kinds = report["total"]["by_kind"]
     assert kinds.get("oversize", 0) > 0 and kinds.get("malformed", 0) > 0 and kinds.get("abort", 0) > 0
+    assert sum(kinds.get(k, 0) for k in ("template", "schema", "stop-list", "wide-n", "dropped")) > 0
     assert all(r["errors"] == {} and r["served"] == r["requests"] > 0 for r in report["minutes"])
     assert all(r["rss_bytes"] and r["p99_s"] >= r["p50_s"] > 0 for r in report["minutes"])

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
@@ -28,10 +27,10 @@ from pagedllm.entrypoints.openai.audio_args import (
     add_audio_server_args,
     audio_server_config,
 )
-from pagedllm.entrypoints.openai.connections import default_max_connections, http_protocol, refusals
+from pagedllm.entrypoints.openai.connections import uvicorn_config
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
 from pagedllm.errors import WorkerError
-from pagedllm.entrypoints.openai.guard import OPEN_PATHS, RETRY_AFTER_S, ServerGuard, default_max_body_bytes
+from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S, ServerGuard, default_max_body_bytes, open_paths
 from pagedllm.entrypoints.openai.openapi import (
     GENERATION,
     READ_ONLY,
@@ -60,6 +59,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.entrypoints.openai.limits import RequestLimits, add_limit_args
 from pagedllm.entrypoints.openai.request_templates import RequestTemplateRenderer
+from pagedllm.entrypoints.openai.shutdown import CLOSE_GRACE_S, DrainingServer
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.entrypoints.openai.serving import (
     ServingContext,
@@ -76,7 +76,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
               audio: AudioServerConfig | None = None, max_body_bytes: int | None = None,
               max_waiting_requests: int | None = None, tool_call_parser: str | None = None,
               limits: RequestLimits | None = None, request_templates: RequestTemplateRenderer | None = None,
-              body_timeout_s: float = 30.0) -> FastAPI:
+              body_timeout_s: float = 30.0, metrics_need_key: bool = False) -> FastAPI:
     """The API; app.state.guard is the ASGI app to serve (the body limit and draining in front of it)."""
     llm_engine = engine.engine
     max_model_len = llm_engine.config.model.max_model_len
@@ -84,8 +84,9 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                          limits=limits or RequestLimits(), request_templates=request_templates)
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key,
-                                          body_timeout_s, max_prompt_tokens=max_model_len)
-    app.openapi = lambda: truthful_openapi(app, OPEN_PATHS, api_key is not None, app.state.audio is not None,
+                                          body_timeout_s, max_prompt_tokens=max_model_len,
+                                          open_paths=open_paths(metrics_need_key))
+    app.openapi = lambda: truthful_openapi(app, guard.open_paths, api_key is not None, app.state.audio is not None,
                                            llm_engine.config.model.vocab_size)
     app.state.audio = None
     if audio is not None and audio.enabled:
@@ -151,6 +152,8 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
             return error_response(503, "draining: the server is shutting down",
                                   headers={"Retry-After": str(RETRY_AFTER_S)})
         return Response(status_code=200)
+
+    app.head("/health", include_in_schema=False)(health)  # load balancers probe with HEAD
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
@@ -323,6 +326,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         "connections are closed")
     g.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may go without sending a byte; then 408")
+    g.add_argument("--require-api-key-for-metrics", action="store_true",
+                   help="/metrics needs the API key too (by default it is open, as vLLM's, for Prometheus scrapers: "
+                        "it shows request counts, latencies and memory, no request content)")
     g.add_argument("--max-connections", type=int, default=None,
                    help="connections served at once, more get 503 (default: the open-files limit, raised to its "
                         "hard limit at start, less 256)")
@@ -379,8 +385,6 @@ def resolve_api_key(flag: str | None) -> str | None:
 
 
 def run_server(ns: argparse.Namespace) -> int:
-    import uvicorn
-
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.cli import engine_args_from
     from pagedllm.entrypoints.llm import load_tokenizer
@@ -396,7 +400,7 @@ def run_server(ns: argparse.Namespace) -> int:
             raise ValueError(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}.")
         from pagedllm.entrypoints.openai.data_parallel import serve_data_parallel
 
-        return serve_data_parallel(ns)
+        return serve_data_parallel(ns, api_key)
     tokenizer = load_tokenizer(config.model.tokenizer) if config.model.tokenizer else None
     audio = audio_server_config(ns)
     if audio.enabled:
@@ -417,16 +421,17 @@ def run_server(ns: argparse.Namespace) -> int:
                                                     timeout_s=ns.request_chat_template_timeout)
     app = build_app(engine, names, api_key, chat_template, metrics, audio, ns.max_request_body_bytes,
                     ns.max_waiting_requests, ns.tool_call_parser if ns.enable_auto_tool_choice else None,
-                    RequestLimits.from_args(ns), request_templates, ns.body_timeout)
+                    RequestLimits.from_args(ns), request_templates, ns.body_timeout, ns.require_api_key_for_metrics)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
                 llm_engine.config.model.max_model_len)
-    def stop_isolated_work() -> None:  # compiles and request templates in progress: their workers are killed
+    def end_requests() -> None:  # streams get their error event; compiles and request templates are killed
+        engine.abort_all("the server is shutting down: this request was ended before it finished")
         llm_engine.structured_outputs.cancel_all()
         if request_templates is not None:
             request_templates.shutdown()
 
-    server = DrainingServer(uvicorn_config(app.state.guard, ns), engine, app.state.guard, ns.shutdown_timeout,
-                            on_force=stop_isolated_work)
+    config = uvicorn_config(app.state.guard, ns, CLOSE_GRACE_S, access_log=not ns.disable_log_requests)
+    server = DrainingServer(config, app.state.guard, ns.shutdown_timeout, end_requests)
     stop_on_lost_worker.server = server
     try:
         server.run()
@@ -442,19 +447,6 @@ def run_server(ns: argparse.Namespace) -> int:
     return 1 if server.forced else 0
 
 
-def uvicorn_config(app, ns: argparse.Namespace):
-    """uvicorn serving `app` with pagedllm's connection limits: a deadline on each request's head, at most
-    --max-connections at once (more get 503), idle kept-alive connections closed after 5 s, open connections
-    given 2 s once the server stops, refusals logged once per interval."""
-    import uvicorn
-
-    refusals.install()
-    return uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
-                          access_log=not ns.disable_log_requests, http=http_protocol(ns.header_timeout),
-                          limit_concurrency=ns.max_connections or default_max_connections(),
-                          timeout_keep_alive=5, timeout_graceful_shutdown=CLOSE_GRACE_S)
-
-
 class _StopOnLostWorker:
     """A tensor-parallel worker lost (dead, failed, silent): its requests have their 503s; the server then
     stops (exit status 1) rather than serve on unhealthy. Other engine errors leave it up, /health 503."""
@@ -468,88 +460,6 @@ class _StopOnLostWorker:
         server = self.server
         if isinstance(error, WorkerError) and server is not None and server.loop is not None:
             server.loop.call_soon_threadsafe(server.loop.call_later, self.GRACE_S, server.stop)
-
-
-CLOSE_GRACE_S = 2  # after the drain: for error events to be written and connections to close
-FORCE_EXIT_S = 10.0  # past the drain and that grace, a process still up exits (os._exit): shutdown always ends
-
-
-class DrainingServer:
-    """uvicorn's server with pagedllm's shutdown: on the first SIGTERM/SIGINT new requests get 503 and running
-    ones have `timeout` seconds to finish; then (or at a second signal) each one left ends with an error
-    event, work in worker processes (compiles, request templates) is killed (`on_force`), connections still
-    open (slow bodies) get CLOSE_GRACE_S, and the server exits: status 0 after a clean drain, 1 after a forced
-    one (`forced`). A watchdog ends the process FORCE_EXIT_S after that whatever it is doing."""
-
-    def __init__(self, config, engine: AsyncLLMEngine, guard: ServerGuard, timeout: float,
-                 on_force=None) -> None:
-        import uvicorn
-
-        outer = self
-
-        class _Server(uvicorn.Server):
-            def handle_exit(self, sig, frame) -> None:  # a signal handler: hand the work to the event loop
-                outer.loop.call_soon_threadsafe(outer._on_signal, sig)
-
-        self.server = _Server(config)
-        self.engine, self.guard, self.timeout = engine, guard, timeout
-        self.on_force = on_force
-        self.forced = False
-        self._drain: asyncio.Task | None = None
-        self._now: asyncio.Event | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
-
-    def run(self) -> None:
-        async def serve() -> None:
-            self.loop = asyncio.get_running_loop()
-            await self.server.serve()
-
-        asyncio.run(serve())
-
-    def stop(self) -> None:
-        """End serving now (on the event loop)."""
-        self.server.should_exit = True
-
-    def _on_signal(self, sig: int) -> None:
-        if self._drain is None:
-            logger.info("signal %d: draining (new requests get 503); running requests have %.0f s to finish",
-                        sig, self.timeout)
-            self.guard.draining = True
-            self._now = asyncio.Event()
-            self._drain = self.loop.create_task(self._shutdown())
-            _watchdog(self.timeout + CLOSE_GRACE_S + FORCE_EXIT_S)
-        else:
-            logger.info("signal %d again: ending the running requests now", sig)
-            self._now.set()
-            _watchdog(CLOSE_GRACE_S + FORCE_EXIT_S)
-
-    async def _shutdown(self) -> None:
-        waited = asyncio.ensure_future(self.guard.wait_idle(self.timeout))
-        now = asyncio.ensure_future(self._now.wait())
-        await asyncio.wait([waited, now], return_when=asyncio.FIRST_COMPLETED)
-        now.cancel()
-        if self.guard.in_flight:
-            self.forced = True
-            logger.warning("ending %d request(s) still running", self.guard.in_flight)
-            self.engine.abort_all("the server is shutting down: this request was ended before it finished")
-            self.guard.stop_reading()
-            if self.on_force is not None:
-                self.on_force()
-            await self.guard.wait_idle(CLOSE_GRACE_S)  # their error events are written
-        self.server.should_exit = True
-
-
-def _watchdog(seconds: float) -> None:
-    """End the process `seconds` from now if it has not ended (a daemon thread: it never keeps it alive)."""
-    import threading
-
-    def expire() -> None:
-        time.sleep(seconds)
-        logger.error("shutdown did not end within %.0f s: exiting now", seconds)
-        logging.shutdown()
-        os._exit(1)
-
-    threading.Thread(target=expire, daemon=True, name="pagedllm-shutdown-watchdog").start()
 
 
 def build_parser() -> argparse.ArgumentParser:

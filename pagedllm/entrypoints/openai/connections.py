@@ -118,3 +118,16 @@ class RefusalLog(logging.Filter):
 
 _logger = logging.getLogger("pagedllm.server.connections")
 refusals = RefusalLog()
+
+
+def uvicorn_config(app, ns, graceful_s: float, access_log: bool):
+    """uvicorn serving `app` on ns.host:ns.port with the limits above: a deadline on each request's head
+    (--header-timeout), at most --max-connections at once (more get 503), idle kept-alive connections closed
+    after 5 s, open connections given `graceful_s` once the server stops, refusals logged once per interval."""
+    import uvicorn
+
+    refusals.install()
+    return uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, access_log=access_log,
+                          http=http_protocol(ns.header_timeout),
+                          limit_concurrency=ns.max_connections or default_max_connections(),
+                          timeout_keep_alive=5, timeout_graceful_shutdown=graceful_s)

@@ -16,6 +16,12 @@ from pagedllm.entrypoints.openai.errors import error_body
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
                         "/docs/oauth2-redirect"})
 RETRY_AFTER_S = 5
+
+
+def open_paths(metrics_need_key: bool = False) -> frozenset[str]:
+    """OPEN_PATHS, less /metrics where the operator asked for it to need the key."""
+    return OPEN_PATHS - {"/metrics"} if metrics_need_key else OPEN_PATHS
+
 # Bodies over this are looked at off the event loop before a route parses them: a prompt of more token ids than
 # the model's context is refused there (1.2M ids took pydantic 1.6 s of the event loop to refuse).
 LARGE_BODY_BYTES = 1 << 20
@@ -40,12 +46,13 @@ class _StoppedReading(Exception):
 
 
 class ServerGuard:
-    """ASGI middleware. Every route but OPEN_PATHS needs the key (when one is set), checked before the body is
+    """ASGI middleware. Every route but `open_paths` needs the key (when one is set), checked before the body is
     read; `draining` and `wait_idle` are the shutdown sequence's."""
 
     def __init__(self, app, max_body_bytes: int, api_key: str | None = None, body_timeout_s: float = 30.0,
-                 max_prompt_tokens: int | None = None) -> None:
+                 max_prompt_tokens: int | None = None, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
+        self.open_paths = open_paths
         self.max_prompt_tokens = max_prompt_tokens
         self.max_body_bytes = max_body_bytes
         self.body_timeout_s = body_timeout_s
@@ -57,7 +64,7 @@ class ServerGuard:
         self._stop_reading = asyncio.Event()  # a forced shutdown: bodies still arriving get 503 at once
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in self.open_paths:
             await self.app(scope, receive, send)
             return
         if self.api_key is not None and not self._authorized(scope):

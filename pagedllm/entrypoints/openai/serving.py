@@ -259,7 +259,7 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _until_disconnect(raw: Request) -> None:
+async def until_disconnect(raw: Request) -> None:
     """Returns when the client goes away (the body was already read, so the next message says so)."""
     while True:
         message = await raw.receive()
@@ -281,7 +281,7 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]], raw: Request) ->
 async def unless_disconnected(awaitable, raw: Request):
     """The awaitable's result; a client disconnect first cancels it (aborting its requests): 499."""
     work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_until_disconnect(raw))
+    watcher = asyncio.ensure_future(until_disconnect(raw))
     try:
         await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
     finally:

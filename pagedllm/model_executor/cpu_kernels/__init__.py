@@ -19,7 +19,6 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import time
 from pathlib import Path
 from types import ModuleType
@@ -59,14 +58,16 @@ def _cpu_signature(source: str = "") -> str:
 
 
 def _ensure_ninja_on_path() -> None:
-    """PyTorch's builder runs `ninja`; the pip package's binary is on PATH only in an activated venv."""
-    if shutil.which("ninja"):
-        return
+    """PyTorch's builder runs `ninja` from PATH. The pip package's binary goes first whatever PATH says: two
+    ninja versions (the system's 1.11 and pip's 1.13, one found from an activated venv, the other not) cannot
+    read each other's build log, and each would compile the kernels again (a minute) after the other."""
     try:
         import ninja
     except ImportError:
         return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    path = os.environ.get("PATH", "")
+    if not path.startswith(ninja.BIN_DIR + os.pathsep):
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
 
 
 # PyTorch's builder holds a lock file in the build directory while it compiles, and waits for as long
@@ -122,6 +123,22 @@ def build_name(source: str | None = None) -> str:
     return f"pagedllm_cpu_{_cpu_signature(kernel_source() if source is None else source)}"
 
 
+def _load_built(name: str) -> ModuleType | None:
+    """The extension PyTorch's builder already built under `name`, loaded without running the builder, or None.
+    The name holds the hash of everything the binary depends on (_cpu_signature), so a built one is the one
+    wanted; the builder would run ninja, which rebuilds everything (a minute) when the build log was written
+    by another ninja version (the system's, or pip's, whichever a process finds first on PATH)."""
+    from torch.utils.cpp_extension import _get_build_directory, _import_module_from_library
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    if not (build_dir / f"{name}.so").is_file() or (build_dir / "lock").exists():  # not built, or being built
+        return None
+    try:
+        return _import_module_from_library(name, str(build_dir), True)
+    except (ImportError, OSError):
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled kernels whatever PAGEDLLM_CPU_ISA says (cpu_isa.py reads what they can do), or None
@@ -137,8 +154,10 @@ def load_cpu_kernels() -> ModuleType | None:
         _remove_stale_build_lock(name)
         start = time.perf_counter()
         logger.info("loading native CPU kernels %s (the first start on a machine or venv compiles them: ~1 min)", name)
-        module = load_inline(name, cpp_sources=[source], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
-                             extra_ldflags=["-fopenmp"], verbose=False)
+        module = _load_built(name)
+        if module is None:
+            module = load_inline(name, cpp_sources=[source], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
+                                 extra_ldflags=["-fopenmp"], verbose=False)
         logger.info("CPU kernels ready (%s, %.1f s: compiled once, then loaded from PyTorch's extension cache)",
                     name, time.perf_counter() - start)
         return module
