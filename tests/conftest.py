@@ -41,6 +41,22 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["PAGEDLLM_CACHE_DIR"] = str(run_root / "pagedllm-cache")
 
 
+# The longest files first (their share of a CI run), so that pytest-xdist's workers, which take files in this
+# order as they become free, do not end the run with one long file on one worker while the other waits (the
+# longest-first rule). test_demo builds the demo model (a minute of one core) that later files serve.
+LONGEST_FIRST = ("tests/test_demo.py", "tests/distributed/test_data_parallel.py",
+                 "tests/distributed/test_tensor_parallel.py", "tests/distributed/test_ray.py",
+                 "tests/server/test_swap_api.py", "tests/models/test_parity.py", "tests/server/test_production.py",
+                 "tests/models/test_cuda_graphs.py", "tests/server/test_fuzz.py", "tests/server/test_abuse.py",
+                 "tests/server/test_audio_server.py", "tests/server/test_guidellm.py", "tests/test_readme.py",
+                 "tests/test_cli.py", "tests/distributed/test_tp_server.py")
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest as found
+
+
 @pytest.fixture(params=available_cpu_isas())
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each CPU path this machine can run, best first (amx, avx512_bf16, avx2, none: cpu_isa.py), forced in

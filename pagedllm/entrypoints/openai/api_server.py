@@ -160,7 +160,8 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         return {"version": pagedllm.__version__}
 
     @app.get("/metrics", responses={200: {"description": "Prometheus text format",
-                                          "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}})
+                                          "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+                                     **error_responses(401)})  # (401 only under --require-api-key-for-metrics)
     async def metrics_endpoint():
         body = generate_latest(metrics.registry) if metrics is not None else b""
         return Response(body, media_type=CONTENT_TYPE_LATEST)

@@ -261,6 +261,7 @@ def truthful_openapi(app: FastAPI, open_paths: frozenset[str], api_key: bool, au
             operation.get("responses", {}).pop("422", None)
             if route in open_paths:
                 operation["security"] = []
+                operation.get("responses", {}).pop("401", None)
             elif api_key:
                 operation["security"] = [{"bearer": []}]
             else:
