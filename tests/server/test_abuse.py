@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import AUTH, _start_server, _stop_server, wait_until
+from tests.server.test_production import _children
 
 BESIDE_LIMIT_S = 1.0
 
@@ -80,18 +81,6 @@ def _optional_int_properties(n: int) -> dict:
 def _rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _children(pid: int) -> set[int]:
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.add(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
 
 
 # -- limits with their defaults (the shared server) ------------------------------------------------
