@@ -3,7 +3,6 @@ flag), and a compile in the worker process ends at its deadline, when cancelled,
 the compiler able to compile the next constraint."""
 from __future__ import annotations
 
-import json
 import threading
 import time
 
