@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and no
 
 # Lengths and output lengths differ, so requests finish one by one: decode batches of 7, 6, .., 1 rows.
 PROMPTS = [[5, 6, 7, 8, 9], list(range(30, 63)), [11, 12, 13], list(range(100, 117)), [3], [40, 41], [7] * 9]
-MAX_TOKENS = [3, 5, 7, 9, 11, 13, 15]
+MAX_TOKENS = [2, 3, 4, 5, 6, 7, 8]  # decode steps of 7, 6, .., 1 rows: one each (interpreted: ~0.3 s a step)
 
 
 def test_default_sizes_are_vllms_up_to_max_num_seqs():
@@ -35,12 +35,16 @@ def test_bad_sizes_are_refused(tiny_models, sizes):
         LLM(str(tiny_models["llama"]), cuda_graph_sizes=sizes)
 
 
-def _generate(path, enforce_eager, params_of, **kwargs):
+def _llm(path, enforce_eager, **kwargs) -> LLM:
     # A 128-token budget holds the 70 prompt tokens in one step; a KV cache sized here skips the profile run
     # (interpreted: seconds per engine), which these tests do not look at.
     kwargs = {"num_gpu_blocks_override": 64} | kwargs
-    llm = LLM(str(path), dtype="float32", max_model_len=64, attention_backend="triton", max_num_seqs=8,
-              max_num_batched_tokens=128, enforce_eager=enforce_eager, **kwargs)
+    return LLM(str(path), dtype="float32", max_model_len=64, attention_backend="triton", max_num_seqs=8,
+               max_num_batched_tokens=128, enforce_eager=enforce_eager, **kwargs)
+
+
+def _generate(path, enforce_eager, params_of, **kwargs):
+    llm = _llm(path, enforce_eager, **kwargs)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [params_of(n) for n in MAX_TOKENS],
                         use_tqdm=False)
     return llm, [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
@@ -73,7 +77,7 @@ def test_tokens_with_graphs_equal_tokens_without(tiny_models, arch, sampling):
 
     eager_llm, eager = _generate(tiny_models[arch], True, params_of)
     assert eager_llm.llm_engine.executor.driver.graphs is None
-    llm = LLM(str(tiny_models[arch]), dtype="float32", max_model_len=64, attention_backend="triton", max_num_seqs=8)
+    llm = _llm(tiny_models[arch], False)
     counts = _replays(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [params_of(n) for n in MAX_TOKENS],
                         use_tqdm=False)
@@ -123,8 +127,7 @@ def test_steps_past_the_largest_size_run_eagerly(tiny_models):
     """--cuda-graph-sizes 2: a decode of 7 rows runs eagerly, the last two rows' steps from the graph."""
     params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0)  # noqa: E731
     _, eager = _generate(tiny_models["llama"], True, params)
-    llm = LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=64, attention_backend="triton",
-              max_num_seqs=8, cuda_graph_sizes=[2])
+    llm = _llm(tiny_models["llama"], False, cuda_graph_sizes=[2])
     counts = _replays(llm)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [params(n) for n in MAX_TOKENS], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in eager]
