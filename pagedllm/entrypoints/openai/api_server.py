@@ -57,6 +57,7 @@ from pagedllm.entrypoints.openai.protocol import (
     SpeechRequest,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.generation_defaults import GenerationDefaults, add_generation_config_args
 from pagedllm.entrypoints.openai.limits import RequestLimits, add_limit_args
 from pagedllm.entrypoints.openai.request_templates import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.shutdown import CLOSE_GRACE_S, DrainingServer
@@ -76,12 +77,14 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
               audio: AudioServerConfig | None = None, max_body_bytes: int | None = None,
               max_waiting_requests: int | None = None, tool_call_parser: str | None = None,
               limits: RequestLimits | None = None, request_templates: RequestTemplateRenderer | None = None,
-              body_timeout_s: float = 30.0, metrics_need_key: bool = False) -> FastAPI:
+              body_timeout_s: float = 30.0, metrics_need_key: bool = False,
+              generation_defaults: GenerationDefaults | None = None) -> FastAPI:
     """The API; app.state.guard is the ASGI app to serve (the body limit and draining in front of it)."""
     llm_engine = engine.engine
     max_model_len = llm_engine.config.model.max_model_len
     ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests, tool_call_parser,
-                         limits=limits or RequestLimits(), request_templates=request_templates)
+                         limits=limits or RequestLimits(), request_templates=request_templates,
+                         generation_defaults=generation_defaults or GenerationDefaults())
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key,
                                           body_timeout_s, max_prompt_tokens=max_model_len,
@@ -310,6 +313,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None)
     g.add_argument("--api-key", default=None, help="also read from PAGEDLLM_API_KEY")
     g.add_argument("--chat-template", default=None, help="a jinja template or a file holding one")
+    add_generation_config_args(g)
     g.add_argument("--disable-log-requests", action="store_true")
     g.add_argument("--max-request-body-bytes", type=int, default=None,
                    help="larger request bodies get 413 before they are read (default: 64 bytes per token of "
@@ -396,6 +400,8 @@ def run_server(ns: argparse.Namespace) -> int:
     chat_template = _read_chat_template(ns.chat_template)
     api_key = resolve_api_key(ns.api_key)
     config = engine_args_from(ns).create_engine_config()  # bad settings are refused here, before any replica
+    generation_defaults = GenerationDefaults.resolve(ns.generation_config, config.model.path,
+                                                     ns.override_generation_config)
     if ns.data_parallel_size != 1:
         if ns.data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {ns.data_parallel_size}.")
@@ -422,7 +428,9 @@ def run_server(ns: argparse.Namespace) -> int:
                                                     timeout_s=ns.request_chat_template_timeout)
     app = build_app(engine, names, api_key, chat_template, metrics, audio, ns.max_request_body_bytes,
                     ns.max_waiting_requests, ns.tool_call_parser if ns.enable_auto_tool_choice else None,
-                    RequestLimits.from_args(ns), request_templates, ns.body_timeout, ns.require_api_key_for_metrics)
+                    RequestLimits.from_args(ns), request_templates, ns.body_timeout, ns.require_api_key_for_metrics,
+                    generation_defaults)
+    generation_defaults.log(ns.generation_config)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
                 llm_engine.config.model.max_model_len)
     def end_requests() -> None:  # streams get their error event; compiles and request templates are killed

@@ -15,6 +15,7 @@ from fastapi import Request
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
 from pagedllm.entrypoints.openai.errors import APIError, error_body, param_of
 from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S
+from pagedllm.entrypoints.openai.generation_defaults import GenerationDefaults
 from pagedllm.entrypoints.openai.limits import RequestLimits
 from pagedllm.entrypoints.openai.request_templates import FLAG as TRUST_TEMPLATE_FLAG
 from pagedllm.entrypoints.openai.request_templates import RequestTemplateError, RequestTemplateRenderer
@@ -79,6 +80,8 @@ class ServingContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     # Requests' own chat templates: None refuses them (400), else they render in its worker process.
     request_templates: RequestTemplateRenderer | None = None
+    # --generation-config / --override-generation-config: sampling defaults, and a cap on max_tokens.
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
 
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested == "":
@@ -195,6 +198,8 @@ def _sampling_params(ctx: ServingContext, req, max_tokens: int | None, logprobs:
         raise APIError(400, why, param)
     try:
         ctx.engine.engine.check_priority(req.priority)
+        ctx.generation_defaults.fill(req)
+        max_tokens = ctx.generation_defaults.cap_max_tokens(max_tokens)
         params = req.to_sampling_params(max_tokens, logprobs, default_max_tokens)
     except ValueError as e:
         raise APIError(400, str(e), param_of(e)) from None
