@@ -22,7 +22,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PYTEST_XDIST_WORKER
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-from pagedllm.model_executor.cpu_isa import available_cpu_isas
+from pagedllm.model_executor.cpu_isa import available_cpu_isas, expected_cpu_isas
 from tests.helpers import ARCHS, hf_greedy, load_hf_model, make_tiny_model
 
 __all__ = ["hf_greedy", "load_hf_model", "make_tiny_model"]
@@ -57,11 +57,13 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest as found
 
 
-@pytest.fixture(params=available_cpu_isas())
+@pytest.fixture(params=expected_cpu_isas())
 def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each CPU path this machine can run, best first (amx, avx512_bf16, avx2, none: cpu_isa.py), forced in
     turn with PAGEDLLM_CPU_ISA: a test that takes it states what each path promises, and so checks every
-    path at or below this machine's own."""
+    path at or below this machine's own. The paths are read from the CPU's flags at collection (building
+    the kernels there would hold every xdist worker for a minute) and must be what the built kernels say."""
+    assert available_cpu_isas() == expected_cpu_isas(), "the kernels built here run other paths than the flags say"
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", request.param)
     return request.param
 

@@ -89,4 +89,25 @@ def _allow_amx(allowed: bool) -> None:
 
 def available_cpu_isas() -> list[str]:
     """Every path this machine can run, best first (what the tests force in turn)."""
-    return list(reversed(CPU_ISAS[:CPU_ISAS.index(machine_cpu_isa()) + 1]))
+    return _paths_up_to(machine_cpu_isa())
+
+
+def expected_cpu_isas() -> list[str]:
+    """What available_cpu_isas() says once the kernels are built, read from the CPU's flags (/proc/cpuinfo: what
+    -march=native compiles for) without building them: the test suite is parametrized with it at collection, a
+    minute before the first test that needs the kernels has them built, and checks it against them then."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        pass
+    if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
+        return _paths_up_to("amx")
+    if onednn_bf16():
+        return _paths_up_to("avx512_bf16")
+    return _paths_up_to("avx2" if {"avx2", "fma"} <= flags else "none")
+
+
+def _paths_up_to(best: str) -> list[str]:
+    return list(reversed(CPU_ISAS[:CPU_ISAS.index(best) + 1]))

@@ -21,7 +21,7 @@ from pagedllm.model_executor.attention import (
 )
 from pagedllm.model_executor.attention import cpu_backend as cpu_backend_module
 from pagedllm.model_executor.attention.cpu_backend import CpuAttentionBackend
-from pagedllm.model_executor.cpu_isa import available_cpu_isas
+from pagedllm.model_executor.cpu_isa import available_cpu_isas, expected_cpu_isas
 from pagedllm.model_executor.cpu_kernels import cpu_kernels
 from pagedllm.utils import cdiv
 
@@ -367,12 +367,13 @@ def test_argmax_kernel_refuses_what_it_cannot_read():
 
 # The paths of packed_linear.cpp this machine can run: AMX where it has it, and the AVX2 / FMA one (what
 # every CPU without AMX runs, AVX-512 ones included) forced below it with PAGEDLLM_CPU_ISA.
-KERNEL_PATHS = [p for p in available_cpu_isas() if p in ("amx", "avx2")]
+KERNEL_PATHS = [p for p in expected_cpu_isas() if p in ("amx", "avx2")]  # (cpu_path checks it)
 
 
 @pytest.fixture(params=KERNEL_PATHS or [pytest.param(None, marks=pytest.mark.skip(
     reason="neither AMX / AVX512-BF16 nor AVX2 / FMA here: pack_linear_weights uses oneDNN or fp32 (test_layers)"))])
 def kernel_path(request, monkeypatch) -> str:
+    assert available_cpu_isas() == expected_cpu_isas(), "the kernels built here run other paths than the flags say"
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", request.param)
     assert cpu_kernels().packed_linear_supported() == (request.param == "amx")
     return request.param

@@ -18,46 +18,9 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.server.conftest import AUTH, _start_server, _stop_server, wait_until
+from tests.server.conftest import AUTH, BESIDE_LIMIT_S, NormalClient, _start_server, _stop_server, wait_until
 from tests.server.test_production import _children
 
-BESIDE_LIMIT_S = 1.0
-
-
-class NormalClient(threading.Thread):
-    """A normal client looping beside an abusive request: short completions, one after another, each timed."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url = url
-        self.latencies: list[float] = []
-        self.failures: list[str] = []
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client(base_url=self.url, headers=AUTH, timeout=60) as c:
-            while not self._stop_event.is_set():
-                t = time.monotonic()
-                r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 2,
-                                                    "temperature": 0})
-                self.latencies.append(time.monotonic() - t)
-                if r.status_code != 200:
-                    self.failures.append(f"{r.status_code}: {r.text[:200]}")
-
-    def __enter__(self) -> NormalClient:
-        self.start()
-        wait_until(lambda: self.latencies, "the normal client's first answer", attempts=600)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        served = len(self.latencies)
-        if exc[0] is None:  # at least one more request served while the abusive one was in flight or after it
-            wait_until(lambda: len(self.latencies) > served, "one more normal answer", attempts=600)
-        self._stop_event.set()
-        self.join(60)
-        if exc[0] is None:
-            assert not self.failures, self.failures[:3]
-            assert max(self.latencies) < BESIDE_LIMIT_S, sorted(self.latencies)[-5:]
 
 
 def _post(url: str, path: str, body: dict, timeout: float = 60) -> tuple[httpx.Response, float]:
@@ -172,7 +135,8 @@ def test_an_empty_api_key_is_refused_at_start(tiny_llama, tmp_path):
 OWN_FLAGS = ["--api-key", AUTH["Authorization"].removeprefix("Bearer "), "--trust-request-chat-template",
              "--request-chat-template-timeout", "2", "--structured-outputs-compile-timeout", "2",
              "--structured-outputs-max-properties", "100000", "--structured-outputs-max-bytes", "10000000",
-             "--header-timeout", "2", "--body-timeout", "2", "--require-api-key-for-metrics"]
+             "--header-timeout", "2", "--body-timeout", "2", "--require-api-key-for-metrics",
+             "--max-connections", "200"]  # above test_slow_headers's 160 sockets
 
 
 @pytest.fixture(scope="module")
@@ -303,6 +267,26 @@ def test_slow_headers_are_cut_at_the_header_timeout_with_one_log_line(own_server
             s.close()
         assert time.monotonic() - t < 10
     assert log.read_text().count("head did not arrive") - lines_before <= 2
+
+
+def test_past_the_connection_cap_a_request_gets_an_openai_503_at_once(own_server):
+    """200 sockets holding the cap (--max-connections 200): a request gets 503 with OpenAI's error body and
+    Retry-After in well under a second, and is served again once the header timeout has closed them."""
+    _, url, log = own_server
+    held = [_partial_socket(url) for _ in range(200)]
+    try:
+        r = wait_until(lambda: (lambda r: r if r.status_code == 503 else None)(_post(url, "/v1/completions", {
+            "model": "tiny", "prompt": "hi", "max_tokens": 2})[0]), "a request past the cap", attempts=20)
+        assert r.elapsed.total_seconds() < BESIDE_LIMIT_S
+        assert r.headers["content-type"] == "application/json" and int(r.headers["retry-after"]) >= 1
+        error = r.json()["error"]
+        assert error["code"] == 503 and "--max-connections" in error["message"], error
+    finally:
+        for s in held:
+            s.close()
+    wait_until(lambda: _post(url, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0]
+               .status_code == 200, "a request served once the sockets are gone", attempts=100)
+    assert log.read_text().count("Exceeded concurrency limit") <= 2  # one line per interval, not per request
 
 
 def test_a_stalled_body_gets_408_at_the_body_timeout(own_server):

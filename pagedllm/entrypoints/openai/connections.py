@@ -5,6 +5,7 @@ thousands of sockets is logged once per interval with a count, not once per sock
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import resource
 import time
@@ -52,13 +53,36 @@ def with_header_timeout(base: type[asyncio.Protocol], seconds: float) -> type[as
     return HeaderTimeoutProtocol
 
 
-def http_protocol(seconds: float = HEADER_TIMEOUT_S) -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol (h11 where httptools is missing) with the head deadline."""
+def http_protocol(seconds: float = HEADER_TIMEOUT_S, max_connections: int | None = None) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol (h11 where httptools is missing) with the head deadline; past
+    `max_connections` (uvicorn's limit_concurrency) the 503 is an OpenAI error with Retry-After."""
     try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+        from uvicorn.protocols.http import httptools_impl as module
+        base = module.HttpToolsProtocol
     except ImportError:  # httptools not installed
-        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+        from uvicorn.protocols.http import h11_impl as module
+        base = module.H11Protocol
+    if max_connections is not None:
+        # uvicorn answers past its limit with the ASGI app its protocol module names `service_unavailable` (a
+        # plain-text body); the module's name is looked up per request, so ours replaces it.
+        module.service_unavailable = _over_the_connection_cap(max_connections)
     return with_header_timeout(base, seconds)
+
+
+def _over_the_connection_cap(max_connections: int):
+    from pagedllm.entrypoints.openai.errors import error_body
+    from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S
+
+    body = json.dumps(error_body(503, f"The server holds {max_connections} connections, its limit "
+                                      f"(--max-connections): retry later.")).encode()
+
+    async def service_unavailable(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"retry-after", str(RETRY_AFTER_S).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return service_unavailable
 
 
 def open_files_limit() -> int:
@@ -127,7 +151,7 @@ def uvicorn_config(app, ns, graceful_s: float, access_log: bool):
     import uvicorn
 
     refusals.install()
+    max_connections = ns.max_connections or default_max_connections()
     return uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level, access_log=access_log,
-                          http=http_protocol(ns.header_timeout),
-                          limit_concurrency=ns.max_connections or default_max_connections(),
+                          http=http_protocol(ns.header_timeout, max_connections), limit_concurrency=max_connections,
                           timeout_keep_alive=5, timeout_graceful_shutdown=graceful_s)
