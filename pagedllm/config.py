@@ -181,6 +181,7 @@ class EngineConfig:
     batch_invariant: bool = False
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputLimits = field(default_factory=StructuredOutputLimits)
+    request_template_worker: bool = False  # the server's worker for requests' own chat templates (planned)
 
     def __post_init__(self) -> None:
         if self.cuda_graph_sizes is not None:

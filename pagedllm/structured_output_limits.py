@@ -42,6 +42,14 @@ class StructuredOutputLimits:
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"{FLAGS['compile_timeout_s']} must be a number of seconds > 0, got {timeout!r}.")
 
+    @property
+    def worker_bytes(self) -> int:
+        """Host memory the compile worker may hold: its start and what its cap lets a compile take (0: no worker,
+        compiles run in the engine's process)."""
+        from pagedllm.isolated_worker import GRAMMAR_WORKER_START_BYTES
+
+        return 0 if self.compile_timeout_s is None else GRAMMAR_WORKER_START_BYTES + self.compile_memory_bytes
+
     def check(self, param: str, kind: str, spec: str, schema: Any = None) -> None:
         """Refuse a constraint over a limit, before any work on it. `spec`: its text as compiled; `schema`: the
         parsed JSON schema (kind json)."""

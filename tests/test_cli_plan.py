@@ -29,7 +29,9 @@ JSON_KEYS = ("fits", "device_total_bytes", "device_used_bytes", "budget_bytes", 
 
 
 def seed_plan():
-    return dry_run_plan(EngineArgs(model="llama-3.2-3b", gpu_memory_utilization=0.8, max_model_len=2048),
+    # The CLI plans a server: its grammar-compile worker (10 s, 2 GiB by default) is part of unified memory.
+    return dry_run_plan(EngineArgs(model="llama-3.2-3b", gpu_memory_utilization=0.8, max_model_len=2048,
+                                   structured_outputs_compile_timeout=10.0),
                         device="cuda", device_memory="119.7GiB", device_memory_used="90GiB", unified=True)
 
 

@@ -95,6 +95,9 @@ class EngineArgs:
     structured_outputs_max_depth: int = StructuredOutputLimits.max_depth
     structured_outputs_compile_timeout: float | None = None
     structured_outputs_compile_memory: int | str = StructuredOutputLimits.compile_memory_bytes
+    # The server renders requests' own chat templates in a worker process (--trust-request-chat-template): its
+    # memory is in the plan.
+    request_template_worker: bool = False
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -151,7 +154,8 @@ class EngineArgs:
                             cuda_graph_sizes=None if self.cuda_graph_sizes is None else tuple(self.cuda_graph_sizes),
                             async_output_proc=self._async_output_proc(device),
                             batch_invariant=self._batch_invariant(), parallel=parallel,
-                            structured_outputs=self._structured_output_limits())
+                            structured_outputs=self._structured_output_limits(),
+                            request_template_worker=self.request_template_worker)
 
     def _structured_output_limits(self) -> StructuredOutputLimits:
         return StructuredOutputLimits(

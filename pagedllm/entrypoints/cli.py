@@ -105,6 +105,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})
     if not args.structured_outputs_compile_timeout:  # 0: no worker, no deadline
         args.structured_outputs_compile_timeout = None
+    args.request_template_worker = bool(getattr(ns, "trust_request_chat_template", False))
     return args
 
 
@@ -197,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--device-memory-used", default=None,
                       help="memory already held by other processes and the OS (default 0 with --device-memory)")
     plan.add_argument("--unified-memory", action="store_true", help="the device shares memory with the CPU")
+    plan.add_argument("--trust-request-chat-template", action="store_true",
+                      help="plan the worker process serve's --trust-request-chat-template renders requests' "
+                           "templates in")
     plan.add_argument("--page-cache", default=None,
                       help="with --device-memory on unified memory (or --device cpu): reclaimable page cache in it, "
                            "besides --device-memory-used, counted as free (e.g. 60GiB)")

@@ -139,8 +139,20 @@ def settings_from(engine_config) -> PlanSettings:
         num_gpu_blocks_override=c.cache.num_gpu_blocks_override, kv_cache_dtype=c.cache.cache_dtype,
         quantization=c.model.quantization, cpu_offload_bytes=c.model.cpu_offload_bytes,
         swap_space_bytes=c.cache.swap_space_bytes, cuda_graph_sizes=planned_graph_sizes(c),
-        tensor_parallel_size=c.parallel.tensor_parallel_size,
+        tensor_parallel_size=c.parallel.tensor_parallel_size, worker_processes=planned_workers(c),
     )
+
+
+def planned_workers(engine_config) -> tuple[tuple[str, int], ...]:
+    """The worker processes a server with these flags may start, and the host memory each may hold."""
+    from pagedllm.isolated_worker import TEMPLATE_WORKER_MEMORY_BYTES, TEMPLATE_WORKER_START_BYTES
+
+    c, workers = engine_config, []
+    if c.structured_outputs.worker_bytes:
+        workers.append(("grammar compiles", c.structured_outputs.worker_bytes))
+    if c.request_template_worker:
+        workers.append(("request templates", TEMPLATE_WORKER_START_BYTES + TEMPLATE_WORKER_MEMORY_BYTES))
+    return tuple(workers)
 
 
 def planned_graph_sizes(engine_config) -> tuple[int, ...]:

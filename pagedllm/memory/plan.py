@@ -56,6 +56,9 @@ class PlanSettings:
     cpu_offload_bytes: int = 0  # --cpu-offload-gb, in bytes: whole decoder layers kept in host memory
     swap_space_bytes: int = 0  # --swap-space, in bytes: host memory for the KV blocks of preempted requests
     cuda_graph_sizes: tuple[int, ...] = ()  # decode batch sizes captured in CUDA graphs (): none, --enforce-eager
+    # Worker processes beside the engine, (what they do, the host memory each may hold): started when first
+    # needed, each capped (isolated_worker.py); part of this plan where the device shares the host's memory.
+    worker_processes: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -223,9 +226,16 @@ class MemoryPlan:
         return self.settings.max_num_seqs * row * (2 if self.device.shares_host_memory else 1)
 
     @property
+    def worker_bytes(self) -> int:
+        """The worker processes' host memory (grammar compiles, request templates), where it is this memory."""
+        if not self.device.shares_host_memory:
+            return 0
+        return sum(size for _, size in self.settings.worker_processes)
+
+    @property
     def non_kv_bytes(self) -> int:
         return (self.weight_bytes + self.activation_bytes + self.overhead_bytes + self.component_bytes
-                + self.graph_pool_bytes + self.bitmask_bytes)
+                + self.graph_pool_bytes + self.bitmask_bytes + self.worker_bytes)
 
     @property
     def component_bytes(self) -> int:
@@ -606,6 +616,7 @@ class MemoryPlan:
             self._overhead_row(),
             *self._graph_rows(),
             *self._bitmask_rows(),
+            *self._worker_rows(),
             *self._component_rows(),
             ("left for the KV cache", fmt_bytes(self.kv_budget_bytes),
              "--kv-cache-memory" if s.kv_cache_memory_bytes is not None else ""),
@@ -678,6 +689,16 @@ class MemoryPlan:
                  f"compiled grammars: host memory, up to {fmt_bytes(grammar_cache_limit_bytes())} "
                  "(VLLM_XGRAMMAR_CACHE_MB)")]
 
+    def _worker_rows(self) -> list[tuple[str, str, str]]:
+        workers = self.settings.worker_processes
+        if not workers:
+            return []
+        total = sum(size for _, size in workers)
+        where = "" if self.device.shares_host_memory else "; host memory, not this device's"
+        return [(f"worker processes ({', '.join(name for name, _ in workers)})", fmt_bytes(total),
+                 f"at most: each its start and its cap (compiles: --structured-outputs-compile-memory, "
+                 f"templates: 1 GiB){where}")]
+
     def _component_rows(self) -> list[tuple[str, str, str]]:
         return [(f"{c.name} ({c.detail})" if c.detail else c.name, fmt_bytes(c.total_bytes),
                  f"weights {fmt_bytes(c.weight_bytes)} + peak {fmt_bytes(c.activation_bytes)}; {c.source}")
@@ -732,6 +753,8 @@ class MemoryPlan:
             "cuda_graph_sizes": list(self.settings.cuda_graph_sizes),
             "cuda_graph_pool_bytes": self.graph_pool_bytes,
             "structured_output_bitmask_bytes": self.bitmask_bytes,
+            "worker_processes": [{"name": name, "host_bytes": size} for name, size in self.settings.worker_processes],
+            "worker_process_bytes": self.worker_bytes,
             "components": [{"name": c.name, "weight_bytes": c.weight_bytes, "activation_peak_bytes": c.activation_bytes,
                             "source": c.source, "detail": c.detail} for c in self.components],
             "kv_cache_budget_bytes": self.kv_budget_bytes,

@@ -515,3 +515,57 @@ def test_enforce_eager_is_a_fix_when_the_graph_pool_tips_the_plan():
     assert fix.command == "--enforce-eager" and "frees the CUDA graph pool" in fix.effect
     assert replan_with_fix(make, fix).fits
     assert "    --enforce-eager: KV cache" in plan.table()
+
+
+def test_worker_processes_are_a_line_of_the_plan_where_they_share_its_memory():
+    """The server's grammar-compile worker (and, where it trusts request templates, the template worker) may hold
+    host memory up to its cap: on a CPU (or unified memory) that memory is the plan's, taken before the KV
+    cache; on a discrete GPU the line says it is host memory and takes nothing."""
+    from pagedllm.isolated_worker import (
+        GRAMMAR_WORKER_START_BYTES,
+        TEMPLATE_WORKER_MEMORY_BYTES,
+        TEMPLATE_WORKER_START_BYTES,
+    )
+
+    served = dict(model="qwen2.5-0.5b", max_model_len=4096, structured_outputs_compile_timeout=10.0)
+    cpu = dry_run_plan(EngineArgs(**served), device="cpu", device_memory="20GiB")
+    compile_bytes = GRAMMAR_WORKER_START_BYTES + (2 << 30)  # its start and --structured-outputs-compile-memory
+    assert cpu.settings.worker_processes == (("grammar compiles", compile_bytes),)
+    assert cpu.worker_bytes == compile_bytes and cpu.to_json()["worker_process_bytes"] == compile_bytes
+    offline = dry_run_plan(EngineArgs(model="qwen2.5-0.5b", max_model_len=4096), device="cpu", device_memory="20GiB")
+    assert offline.worker_bytes == 0 and "worker processes" not in offline.table()  # compiles in its own process
+    assert offline.kv_budget_bytes - cpu.kv_budget_bytes == compile_bytes
+    both = dry_run_plan(EngineArgs(**served, request_template_worker=True, structured_outputs_compile_memory="512MiB"),
+                        device="cpu", device_memory="20GiB")
+    assert both.worker_bytes == (GRAMMAR_WORKER_START_BYTES + (512 << 20) + TEMPLATE_WORKER_START_BYTES
+                                 + TEMPLATE_WORKER_MEMORY_BYTES)
+    assert any("worker processes (grammar compiles, request templates)" in line for line in both.table().splitlines())
+    gpu = preset_plan("qwen2.5-0.5b", max_model_len=4096, structured_outputs_compile_timeout=10.0)
+    assert gpu.worker_bytes == 0 and "host memory, not this device's" in gpu.table()
+
+
+@pytest.mark.parametrize("handler,init,start", [
+    ("pagedllm.structured_output:grammar_worker", "grammar", "GRAMMAR_WORKER_START_BYTES"),
+    ("pagedllm.entrypoints.openai.request_templates:template_worker", {}, "TEMPLATE_WORKER_START_BYTES"),
+])
+def test_a_started_worker_holds_no_more_than_the_plan_counts(tiny_models, handler, init, start):
+    """The plan's start figure is what a worker really holds once started (its resident memory)."""
+    from pathlib import Path
+
+    import os
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from pagedllm import isolated_worker
+
+    if init == "grammar":
+        tokenizer = AutoTokenizer.from_pretrained(tiny_models["llama"])
+        init = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer)).serialize_json()
+    worker = isolated_worker.IsolatedWorker(handler, init, 1 << 30)
+    try:
+        pid = worker.start()
+        rss = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    finally:
+        worker.shutdown()
+    assert 0 < rss <= getattr(isolated_worker, start), rss

@@ -8,7 +8,13 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from pagedllm.isolated_worker import IsolatedWorker, WorkerCancelled, WorkerOutOfMemory, WorkerTimeout
+from pagedllm.isolated_worker import (
+    TEMPLATE_WORKER_MEMORY_BYTES,
+    IsolatedWorker,
+    WorkerCancelled,
+    WorkerOutOfMemory,
+    WorkerTimeout,
+)
 
 FLAG = "--trust-request-chat-template"
 
@@ -23,7 +29,7 @@ class RequestTemplateRenderer:
 
     special_tokens: dict[str, str]
     timeout_s: float = 2.0
-    memory_bytes: int = 1 << 30
+    memory_bytes: int = TEMPLATE_WORKER_MEMORY_BYTES
     max_chars: int = 1 << 20  # the rendered text (the prompt must still fit max_model_len after)
     _worker: IsolatedWorker | None = field(default=None, init=False, repr=False)
 
