@@ -161,7 +161,7 @@ def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog, tmp_path)
     import torch.utils.cpp_extension
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built there: the builder runs
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", _broken)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", _broken)
     cpu_kernels_module.load_cpu_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cpu_kernels_module.__name__):
@@ -180,7 +180,7 @@ def test_a_built_extension_loads_without_running_the_builder(monkeypatch):
     import torch.utils.cpp_extension
 
     assert cpu_kernels() is not None  # built (or loaded) the usual way
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline", _broken)
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", _broken)
     cpu_kernels_module.load_cpu_kernels.cache_clear()
     try:
         kernels = cpu_kernels()
@@ -200,8 +200,8 @@ def test_a_lock_left_by_an_interrupted_build_is_removed(monkeypatch, tmp_path, c
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     seen = []
-    monkeypatch.setattr(torch.utils.cpp_extension, "load_inline",
-                        lambda name, **kwargs: seen.append((tmp_path / name / "lock").exists()) or object())
+    monkeypatch.setattr(torch.utils.cpp_extension, "load",
+                        lambda name, *args, **kwargs: seen.append((tmp_path / name / "lock").exists()) or object())
     lock = tmp_path / cpu_kernels_module.build_name() / "lock"
     lock.parent.mkdir()
     try:
@@ -519,4 +519,5 @@ def test_the_kernel_cache_name_is_keyed_by_the_cpu_the_torch_build_and_the_sourc
     monkeypatch.undo()
     other_source = cpu_kernels_module._cpu_signature("// another version of the kernels")
     assert len({here, other_venv, other_version, other_source}) == 4
-    assert cpu_kernels_module.build_name() == f"pagedllm_cpu_{cpu_kernels_module._cpu_signature(cpu_kernels_module.kernel_source())}"
+    source = cpu_kernels_module.kernel_source() + cpu_kernels_module._bindings_source()  # both units' text
+    assert cpu_kernels_module.build_name() == f"pagedllm_cpu_{cpu_kernels_module._cpu_signature(source)}"

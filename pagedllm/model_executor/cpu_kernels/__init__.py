@@ -27,10 +27,7 @@ logger = logging.getLogger(__name__)
 
 _HEADER = "common.h"
 _SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp", "greedy.cpp", "packed_linear.cpp")
-_FUNCTIONS = ["paged_decode_attention", "write_kv_cache", "rms_norm", "silu_and_mul", "rotary_embedding",
-              "gemv_bf16", "packed_linear_supported", "packed_linear_fma_supported", "set_amx_allowed",
-              "amx_available", "pack_linear_weight", "packed_linear", "packed_linear_silu_mul",
-              "packed_embedding", "argmax_rows"]
+_BINDINGS = "bindings.cpp"  # the Python module: its own unit, compiled beside the kernels' one
 # -O3 with the reassociation that lets the compiler vectorise dot products (no -ffast-math: its
 # assumptions about infinities and NaN are not ours to make).
 _CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -60,7 +57,7 @@ def _cpu_signature(source: str = "") -> str:
 def _ensure_ninja_on_path() -> None:
     """PyTorch's builder runs `ninja` from PATH. The pip package's binary goes first whatever PATH says: two
     ninja versions (the system's 1.11 and pip's 1.13, one found from an activated venv, the other not) cannot
-    read each other's build log, and each would compile the kernels again (a minute) after the other."""
+    read each other's build log, and each would compile the kernels again (~40 s) after the other."""
     try:
         import ninja
     except ImportError:
@@ -72,7 +69,7 @@ def _ensure_ninja_on_path() -> None:
 
 # PyTorch's builder holds a lock file in the build directory while it compiles, and waits for as long
 # as it exists: a build killed midway (Ctrl-C on the first start) would leave every later start
-# waiting forever. The build takes ~1 min here; a lock this old is a leftover.
+# waiting forever. The build takes ~40 s here; a lock this old is a leftover.
 _STALE_LOCK_SECONDS = 15 * 60
 
 
@@ -110,23 +107,28 @@ def cpu_kernels() -> ModuleType | None:
 
 
 def kernel_source() -> str:
-    """One translation unit (PyTorch's headers take ~40 s to compile, once per unit): the shared header,
-    then every source with its include of it removed."""
+    """The kernels as one translation unit (ATen's headers take ~10 s to compile, once per unit): the shared
+    header, then every source with its include of it removed."""
     here = Path(__file__).parent
     include = f'#include "{_HEADER}"'
     return "\n".join([(here / _HEADER).read_text()]
                      + [(here / name).read_text().replace(include, "") for name in _SOURCES])
 
 
+def _bindings_source() -> str:
+    return (Path(__file__).parent / _BINDINGS).read_text()
+
+
 def build_name(source: str | None = None) -> str:
     """The extension's name in PyTorch's cache (its build directory): keyed by _cpu_signature."""
-    return f"pagedllm_cpu_{_cpu_signature(kernel_source() if source is None else source)}"
+    source = kernel_source() + _bindings_source() if source is None else source
+    return f"pagedllm_cpu_{_cpu_signature(source)}"
 
 
 def _load_built(name: str) -> ModuleType | None:
     """The extension PyTorch's builder already built under `name`, loaded without running the builder, or None.
     The name holds the hash of everything the binary depends on (_cpu_signature), so a built one is the one
-    wanted; the builder would run ninja, which rebuilds everything (a minute) when the build log was written
+    wanted; the builder would run ninja, which rebuilds everything (~40 s) when the build log was written
     by another ninja version (the system's, or pip's, whichever a process finds first on PATH)."""
     from torch.utils.cpp_extension import _get_build_directory, _import_module_from_library
 
@@ -139,6 +141,21 @@ def _load_built(name: str) -> ModuleType | None:
         return None
 
 
+def _build(name: str, kernels: str, bindings: str) -> ModuleType:
+    """PyTorch's builder on two units (the kernels, the bindings), which ninja compiles at once on two cores:
+    ~30 s where PyTorch's whole C++ API in one unit took ~60 s."""
+    from torch.utils.cpp_extension import _get_build_directory, load
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    sources = []
+    for file, text in (("kernels.cpp", kernels), ("bindings.cpp", bindings)):
+        path = build_dir / file
+        if not path.is_file() or path.read_text() != text:  # unchanged files keep ninja's timestamps
+            path.write_text(text)
+        sources.append(str(path))
+    return load(name, sources, extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+
+
 @functools.lru_cache(maxsize=1)
 def load_cpu_kernels() -> ModuleType | None:
     """The compiled kernels whatever PAGEDLLM_CPU_ISA says (cpu_isa.py reads what they can do), or None
@@ -146,18 +163,15 @@ def load_cpu_kernels() -> ModuleType | None:
     if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
-
         _ensure_ninja_on_path()
-        source = kernel_source()
-        name = build_name(source)
+        kernels, bindings = kernel_source(), _bindings_source()
+        name = build_name(kernels + bindings)
         _remove_stale_build_lock(name)
         start = time.perf_counter()
-        logger.info("loading native CPU kernels %s (the first start on a machine or venv compiles them: ~1 min)", name)
+        logger.info("loading native CPU kernels %s (the first start on a machine or venv compiles them: ~40 s on 2 cores)", name)
         module = _load_built(name)
         if module is None:
-            module = load_inline(name, cpp_sources=[source], functions=_FUNCTIONS, extra_cflags=_CFLAGS,
-                                 extra_ldflags=["-fopenmp"], verbose=False)
+            module = _build(name, kernels, bindings)
         logger.info("CPU kernels ready (%s, %.1f s: compiled once, then loaded from PyTorch's extension cache)",
                     name, time.perf_counter() - start)
         return module

@@ -1,7 +1,7 @@
 // Helpers shared by the kernels: 16-float vectors (GCC's vector extensions, so the same source
 // compiles to whatever -march=native offers), loads and stores of float32 / bfloat16 / float16 rows,
 // and rounding to a dtype's precision (so a fused kernel rounds where the PyTorch ops it replaces do).
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -1,0 +1,45 @@
+// Python bindings of the kernels, in their own translation unit: pybind11 and PyTorch's type casters (~15 s to
+// compile) build beside the kernels (ATen only), on another core, instead of PyTorch's whole C++ API in one unit.
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/utils/pybind.h>
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
+                                  int64_t block_size);
+void write_kv_cache(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+                    const at::Tensor& v);
+at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
+                    double eps);
+at::Tensor silu_and_mul(const at::Tensor& x);
+void rotary_embedding(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& weight);
+bool packed_linear_supported();
+bool packed_linear_fma_supported();
+void set_amx_allowed(bool allowed);
+bool amx_available();
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+at::Tensor packed_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
+                                  const c10::optional<at::Tensor>& bias);
+at::Tensor packed_embedding(const at::Tensor& ids_in, const at::Tensor& packed);
+at::Tensor argmax_rows(const at::Tensor& x);
+
+#define PAGEDLLM_DEF(name) m.def(#name, torch::wrap_pybind_function(name), #name)
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  PAGEDLLM_DEF(paged_decode_attention);
+  PAGEDLLM_DEF(write_kv_cache);
+  PAGEDLLM_DEF(rms_norm);
+  PAGEDLLM_DEF(silu_and_mul);
+  PAGEDLLM_DEF(rotary_embedding);
+  PAGEDLLM_DEF(gemv_bf16);
+  PAGEDLLM_DEF(packed_linear_supported);
+  PAGEDLLM_DEF(packed_linear_fma_supported);
+  PAGEDLLM_DEF(set_amx_allowed);
+  PAGEDLLM_DEF(amx_available);
+  PAGEDLLM_DEF(pack_linear_weight);
+  PAGEDLLM_DEF(packed_linear);
+  PAGEDLLM_DEF(packed_linear_silu_mul);
+  PAGEDLLM_DEF(packed_embedding);
+  PAGEDLLM_DEF(argmax_rows);
+}
