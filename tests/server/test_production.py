@@ -47,6 +47,14 @@ def start(long_llama, tmp_path):
             _stop_server(proc)
 
 
+@pytest.fixture(scope="module")
+def plain_server(long_llama, tmp_path_factory):
+    """A server with the defaults (and the key), shared by the tests that only send to it: its URL."""
+    proc, url, _ = _start_server(long_llama, tmp_path_factory.mktemp("plain"), ["--api-key", API_KEY])
+    yield url
+    _stop_server(proc)
+
+
 class StreamWatcher(threading.Thread):
     """One streaming completion on its own thread: the times its chunks arrived and its events."""
 
@@ -115,8 +123,8 @@ def _status(response: bytes) -> int:
 
 # -- one request cannot stall the others --------------------------------------------------------
 
-def test_oversize_bodies_get_413_at_once_while_other_streams_keep_producing(start):
-    _, url, _ = start()
+def test_oversize_bodies_get_413_at_once_while_other_streams_keep_producing(plain_server):
+    url = plain_server
     streams = [StreamWatcher(url) for _ in range(8)]
     for s in streams:
         s.start()
@@ -144,8 +152,8 @@ def test_oversize_bodies_get_413_at_once_while_other_streams_keep_producing(star
         wait_until(lambda: kv_idle(c), "an idle engine")
 
 
-def test_a_large_tokenize_without_the_key_gets_401_before_its_body_is_read(start):
-    _, url, _ = start()
+def test_a_large_tokenize_without_the_key_gets_401_before_its_body_is_read(plain_server):
+    url = plain_server
     resp, took = _raw_request(url, _head("/tokenize", "Content-Length: 10485760\r\n", key=False),
                               [b"{" + b" " * 65536])
     assert _status(resp) == 401 and took < 1.0, (resp[:300], took)
