@@ -96,12 +96,9 @@ def expected_cpu_isas() -> list[str]:
     """What available_cpu_isas() says once the kernels are built, read from the CPU's flags (/proc/cpuinfo: what
     -march=native compiles for) without building them: the test suite is parametrized with it at collection, a
     minute before the first test that needs the kernels has them built, and checks it against them then."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        pass
+    from pagedllm.model_executor.cpu_kernels import cpu_flags_line
+
+    flags = set(cpu_flags_line().partition(":")[2].split())
     if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
         return _paths_up_to("amx")
     if onednn_bf16():

@@ -40,18 +40,20 @@ def _cpu_signature(source: str = "") -> str:
     build it links (version and install path), so two venvs each keep their own build instead of rebuilding
     it at every switch; and the source, so two checkouts of different versions (or a server of one beside
     the tests of another) each keep theirs (PyTorch's builder would rebuild one name at every switch)."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        pass
     import torch
 
     build = f"{torch.__version__} {Path(torch.__file__).resolve().parent}"
+    flags = cpu_flags_line()
     return hashlib.sha256(f"{platform.machine()} {flags} {build} {source}".encode()).hexdigest()[:12]
+
+
+def cpu_flags_line() -> str:
+    """/proc/cpuinfo's `flags` line (what -march=native compiles for); "" where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.rstrip("\n") for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
 
 
 def _ensure_ninja_on_path() -> None:
