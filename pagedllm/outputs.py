@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # not imported at run time: `import pagedllm` stays light for the isolated workers
+    import torch
 
 
 @dataclass

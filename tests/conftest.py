@@ -3,6 +3,8 @@ model served as the README's first line serves it."""
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,12 +35,41 @@ def pytest_configure(config: pytest.Config) -> None:
     """The demo model (and anything else pagedllm caches) goes to a cache of this test run's, shared by its xdist
     workers and every process a test starts: built fresh once per run (demo.py's lock), never read from or
     written to the user's ~/.cache."""
-    if "PAGEDLLM_CACHE_DIR" in os.environ:
-        return
-    run_root = config._tmp_path_factory.getbasetemp()
-    if hasattr(config, "workerinput"):  # an xdist worker's basetemp is popen-gwN inside the run's
-        run_root = run_root.parent
-    os.environ["PAGEDLLM_CACHE_DIR"] = str(run_root / "pagedllm-cache")
+    if "PAGEDLLM_CACHE_DIR" not in os.environ:
+        run_root = config._tmp_path_factory.getbasetemp()
+        if hasattr(config, "workerinput"):  # an xdist worker's basetemp is popen-gwN inside the run's
+            run_root = run_root.parent
+        os.environ["PAGEDLLM_CACHE_DIR"] = str(run_root / "pagedllm-cache")
+    if not hasattr(config, "workerinput"):  # the run's own process, once: not each xdist worker
+        config.stash[KERNEL_BUILD] = start_kernel_build()
+
+
+KERNEL_BUILD = pytest.StashKey["subprocess.Popen | None"]()
+
+
+def start_kernel_build() -> "subprocess.Popen | None":
+    """The native CPU kernels built from the start of the run, in a process of their own (~30 s of two cores on a
+    fresh machine; nothing when already built), so that the first tests that need them, a minute later, load them
+    instead of every xdist worker waiting on one build while the compiler leaves a core idle. Whatever starts
+    first waits on the build's lock (cpu_kernels.py) and never builds twice."""
+    from pagedllm.model_executor.cpu_kernels import kernels_built
+
+    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0" or torch.cuda.is_available() or kernels_built():
+        return None
+    code = "from pagedllm.model_executor.cpu_kernels import load_cpu_kernels; load_cpu_kernels()"
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # its own process group: ninja and the compilers stop with it
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    build = config.stash.get(KERNEL_BUILD, None)
+    if build is not None and build.poll() is None:  # a run shorter than the build (one quick test)
+        os.killpg(build.pid, signal.SIGINT)  # PyTorch's builder then removes its lock: the next start builds
+        try:
+            build.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            build.kill()
+            build.wait()
 
 
 # The longest files first (their share of a CI run), so that pytest-xdist's workers, which take files in this

@@ -32,6 +32,7 @@ from pagedllm.audio.tokenizer import (
 )
 from pagedllm.memory.plan import ComponentMemory, MemoryPlan
 from pagedllm.memory.profiler import measure_peak_bytes
+from pagedllm.model_executor.meta import on_meta_device
 
 NAME = "audio tokenizer"
 
@@ -107,7 +108,7 @@ def max_audio_frames(max_model_len: int) -> int:
 def planned_audio_tokenizer_memory(source: AudioTokenizerSource, max_model_len: int) -> ComponentMemory:
     """Weights and peak from the config alone (meta device): no weight is read."""
     config = load_audio_tokenizer_config(source)
-    with torch.device("meta"):
+    with on_meta_device():
         model = audio_tokenizer_class()(config).to(AUDIO_TOKENIZER_DTYPE).eval()
     frames = max_audio_frames(max_model_len)
     return ComponentMemory(NAME, module_bytes(model), _traced_peak(model, frames),
@@ -134,7 +135,7 @@ def measured_audio_tokenizer_memory(tokenizer: AudioTokenizer, max_model_len: in
     decode = measure_peak_bytes(lambda: tokenizer.decode(codes), device)
     encode = measure_peak_bytes(lambda: tokenizer.encode(wave, tokenizer.sampling_rate), device)
     if decode is None or encode is None:
-        with torch.device("meta"):
+        with on_meta_device():
             meta = audio_tokenizer_class()(tokenizer.config).to(AUDIO_TOKENIZER_DTYPE).eval()
         return ComponentMemory(NAME, tokenizer.weight_bytes, _traced_peak(meta, frames),
                                f"measured weights; {_peak_of(frames, tokenizer.frame_rate, 'traced')}", "float32")

@@ -13,6 +13,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.distributed.sharding import ShardLayout
 from pagedllm.model_executor.cpu_ops import install_cpu_ops
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
+from pagedllm.model_executor.meta import on_meta_device
 from pagedllm.model_executor.model_files import weight_files
 from pagedllm.model_executor.models.registry import get_model_class
 from pagedllm.model_executor.offload import HostLayer, offload_layers, offloaded_layer_indices
@@ -30,7 +31,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     prev_dtype = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:
-        with torch.device("meta"):  # no time spent on an init we overwrite
+        with on_meta_device():  # no time spent on an init we overwrite
             model = model_cls(model_config.hf_config, max_positions=model_config.max_model_len)
     finally:
         torch.set_default_dtype(prev_dtype)

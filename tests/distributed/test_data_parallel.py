@@ -77,6 +77,9 @@ def test_two_replicas_answer_32_streams_as_one_engine_does(tiny_models, tmp_path
 
 KEY = "sk-dp"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+# The router test's context: its last stream must outlast --shutdown-timeout (3 s) on an idle machine, where the
+# tiny model decoded 4000 tokens in less (the drain then ended on its own, exit status 0, not the forced 1).
+LONG_LEN = 16384
 
 
 class Stream(threading.Thread):
@@ -122,10 +125,10 @@ def _rss(pid: int) -> int:
 def test_the_router_serves_as_a_lone_server_does_and_outlives_a_replica(tmp_path):
     from tests.helpers import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "long-llama", "llama", max_position_embeddings=4096)
+    model = make_tiny_model(tmp_path / "long-llama", "llama", max_position_embeddings=LONG_LEN)
     proc, url = start_command(lambda port: [
         sys.executable, "-m", "pagedllm", "serve", str(model), "--port", str(port), "--dtype", "float32",
-        "--max-model-len", "4096", "-dp", "2", "--api-key", KEY, "--served-model-name", "m",
+        "--max-model-len", str(LONG_LEN), "-dp", "2", "--api-key", KEY, "--served-model-name", "m",
         "--shutdown-timeout", "3", "--disable-log-requests"], tmp_path)
     log = next(tmp_path.glob("server-*.stderr"))
     try:
@@ -190,7 +193,7 @@ def test_the_router_serves_as_a_lone_server_does_and_outlives_a_replica(tmp_path
 
         # SIGTERM with a stream running past --shutdown-timeout: 503 for newcomers, the stream ends with an
         # error event, exit status 1 (a forced drain) within the timeout and the grace.
-        long = Stream(url, [9, 9, 9], 4000)
+        long = Stream(url, [9, 9, 9], LONG_LEN - 3)
         long.start()
         wait_until(lambda: long.tokens, "the long stream", attempts=600, interval_s=0.1)
         t = time.monotonic()

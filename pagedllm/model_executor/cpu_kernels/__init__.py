@@ -127,18 +127,32 @@ def build_name(source: str | None = None) -> str:
     return f"pagedllm_cpu_{_cpu_signature(source)}"
 
 
+def _built_path(name: str) -> Path | None:
+    """The extension PyTorch's builder built under `name`, or None (not built, or being built)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    built = build_dir / f"{name}.so"
+    return built if built.is_file() and not (build_dir / "lock").exists() else None
+
+
+def kernels_built() -> bool:
+    """Whether this machine (and venv, and source) has its kernels built: loading them costs no compile."""
+    return _built_path(build_name()) is not None
+
+
 def _load_built(name: str) -> ModuleType | None:
     """The extension PyTorch's builder already built under `name`, loaded without running the builder, or None.
     The name holds the hash of everything the binary depends on (_cpu_signature), so a built one is the one
     wanted; the builder would run ninja, which rebuilds everything (~40 s) when the build log was written
     by another ninja version (the system's, or pip's, whichever a process finds first on PATH)."""
-    from torch.utils.cpp_extension import _get_build_directory, _import_module_from_library
+    from torch.utils.cpp_extension import _import_module_from_library
 
-    build_dir = Path(_get_build_directory(name, verbose=False))
-    if not (build_dir / f"{name}.so").is_file() or (build_dir / "lock").exists():  # not built, or being built
+    built = _built_path(name)
+    if built is None:
         return None
     try:
-        return _import_module_from_library(name, str(build_dir), True)
+        return _import_module_from_library(name, str(built.parent), True)
     except (ImportError, OSError):
         return None
 
