@@ -9,8 +9,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-import torch
+# The run writes bytecode for what it imports, whatever the environment says (PYTHONDONTWRITEBYTECODE=1 on CI
+# machines): its ~100 Python processes (servers, workers, CLI runs) then compile torch's and transformers' modules
+# once, not each at every start. The install compiles nothing ahead (most of what it installs is never imported).
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # No GPU here: the triton attention backend's kernels run under Triton's interpreter on the CPU. Set
 # before anything imports them (Triton reads it when a kernel is defined).
@@ -72,15 +78,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             build.wait()
 
 
-# The longest files first (their share of a CI run), so that pytest-xdist's workers, which take files in this
-# order as they become free, do not end the run with one long file on one worker while the other waits (the
-# longest-first rule). test_demo builds the demo model (a minute of one core) that later files serve.
-LONGEST_FIRST = ("tests/test_demo.py", "tests/distributed/test_data_parallel.py",
-                 "tests/distributed/test_tensor_parallel.py", "tests/distributed/test_ray.py",
-                 "tests/server/test_swap_api.py", "tests/models/test_parity.py", "tests/server/test_production.py",
-                 "tests/models/test_cuda_graphs.py", "tests/server/test_fuzz.py", "tests/server/test_abuse.py",
-                 "tests/server/test_audio_server.py", "tests/server/test_guidellm.py", "tests/test_readme.py",
-                 "tests/test_cli.py", "tests/distributed/test_tp_server.py")
+# The order the xdist workers take files in (pyproject: --no-loadscope-reorder, or xdist would sort them by their
+# number of tests): two files that need no native kernels first, one per worker (test_demo trains the demo model
+# that later files serve, a minute of one core; Triton's kernels interpreted), while the kernels build from the
+# start of the run (pytest_configure); then the longest files first (their seconds in a CI run), so that the
+# run does not end with one long file on one worker while the other waits; the rest as collected.
+LONGEST_FIRST = ("tests/test_demo.py", "tests/models/test_triton_attention.py",
+                 "tests/distributed/test_tensor_parallel.py", "tests/server/test_abuse.py",
+                 "tests/distributed/test_data_parallel.py", "tests/server/test_production.py",
+                 "tests/distributed/test_tp_server.py", "tests/models/test_parity.py", "tests/test_cli.py",
+                 "tests/server/test_fuzz.py", "tests/server/test_audio_server.py", "tests/models/test_cuda_graphs.py",
+                 "tests/distributed/test_ray.py", "tests/server/test_guidellm.py", "tests/test_readme.py",
+                 "tests/server/test_tool_calls.py", "tests/server/test_errors_and_aborts.py",
+                 "tests/models/test_higgs_engine.py", "tests/engine/test_grammar_limits.py")
 
 
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:

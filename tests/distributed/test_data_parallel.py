@@ -80,6 +80,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 # The router test's context: its last stream must outlast --shutdown-timeout (3 s) on an idle machine, where the
 # tiny model decoded 4000 tokens in less (the drain then ended on its own, exit status 0, not the forced 1).
 LONG_LEN = 16384
+KV_CACHE = "64MiB"  # 128k tokens of the tiny model, 8 x LONG_LEN (by default: max_num_seqs x LONG_LEN, 2 GiB)
 
 
 class Stream(threading.Thread):
@@ -129,7 +130,7 @@ def test_the_router_serves_as_a_lone_server_does_and_outlives_a_replica(tmp_path
     proc, url = start_command(lambda port: [
         sys.executable, "-m", "pagedllm", "serve", str(model), "--port", str(port), "--dtype", "float32",
         "--max-model-len", str(LONG_LEN), "-dp", "2", "--api-key", KEY, "--served-model-name", "m",
-        "--shutdown-timeout", "3", "--disable-log-requests"], tmp_path)
+        "--shutdown-timeout", "3", "--disable-log-requests", "--kv-cache-memory", KV_CACHE], tmp_path)
     log = next(tmp_path.glob("server-*.stderr"))
     try:
         replicas = _replica_pids(proc.pid)
