@@ -280,7 +280,9 @@ class ModelRunner:
             self.swap_cache = None
             return
         shape = (*self.kv_cache.shape[:3], num_blocks * self.block_size, self.kv_cache.shape[4])
-        self.swap_cache = torch.zeros(shape, dtype=self.kv_cache.dtype, device="cpu",
+        # Empty, not zeros: a host block is read only after a swap-out wrote all of it (whole blocks move), and
+        # untouched pages cost neither the start (4 GiB of zeros took seconds) nor memory until they are used.
+        self.swap_cache = torch.empty(shape, dtype=self.kv_cache.dtype, device="cpu",
                                       pin_memory=self.device.type == "cuda")
 
     @torch.inference_mode()

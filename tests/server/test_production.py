@@ -255,7 +255,8 @@ def test_sigterm_lets_running_streams_finish_refuses_new_requests_and_exits_0(st
 @pytest.mark.parametrize("how", ["timeout", "second-signal"])
 def test_streams_still_running_when_the_drain_ends_get_an_error_event(start, how):
     flags = ("--shutdown-timeout", "2") if how == "timeout" else ("--shutdown-timeout", "600")
-    proc, url, log = start(*flags, max_model_len=16384)
+    # 64 MiB of KV cache holds the four streams' 16k tokens (by default: max_num_seqs x 16k, 2 GiB to allocate)
+    proc, url, log = start(*flags, "--kv-cache-memory", "64MiB", max_model_len=16384)
     streams = [StreamWatcher(url, max_tokens=16000) for _ in range(4)]
     for s in streams:
         s.start()
