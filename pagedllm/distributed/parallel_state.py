@@ -83,8 +83,18 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except BaseException:
+        # torch names the default group by a process-wide count it raises before the rendezvous: after one that
+        # failed, this process's next group would be "1" while a fresh worker's is "0", and their rendezvous
+        # keys would never meet (every later engine here hung for the timeout, then failed).
+        if not dist.is_initialized():
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._world.group_count = 0
+        raise
     _GROUP = TensorParallelGroup(rank, size)
     return _GROUP
 

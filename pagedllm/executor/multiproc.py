@@ -59,6 +59,10 @@ class MultiprocWorkers:
         threads = threads_per_rank(self.size)
         for rank, conn in enumerate(self.conns, start=1):
             conn.send((self.config, rank, self.size, self.init_method, self.timeout_s, threads))
+        # Each worker says when it has read the config (importing what it names: seconds on a busy machine):
+        # only then does rank 0 open the rendezvous, which waits PAGEDLLM_WORKER_TIMEOUT_S for the others.
+        for i in range(len(self.conns)):
+            self._receive(i, timeout=CONNECT_TIMEOUT_S)
 
     def _accept(self, listener: Listener) -> dict[int, Connection]:
         """Each worker's connection, by the rank it says; fails as soon as a worker process exits."""

@@ -118,6 +118,7 @@ def main() -> None:
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ["PAGEDLLM_WORKER_AUTHKEY"]))
     conn.send(rank)
     config, local_rank, world_size, init_method, timeout_s, threads = conn.recv()
+    conn.send(("joining", None))  # the config is read: rank 0 may open the rendezvous
     torch.set_num_threads(threads)
     worker_main(config, rank, local_rank, world_size, init_method, timeout_s, conn)
 
