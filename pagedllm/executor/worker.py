@@ -121,6 +121,11 @@ def main() -> None:
     conn.send(("joining", None))  # the config is read: rank 0 may open the rendezvous
     torch.set_num_threads(threads)
     worker_main(config, rank, local_rank, world_size, init_method, timeout_s, conn)
+    # The group is left and nothing is buffered: skip the interpreter's teardown of torch (a second of CPU
+    # per worker, which the engine's shutdown would wait for).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":  # run from the module's importable copy: pickles then name pagedllm.executor.worker

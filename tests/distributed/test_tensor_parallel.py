@@ -178,7 +178,7 @@ def test_every_sampling_feature_holds_on_two_ranks(tiny_models):
 
 
 def test_engines_made_and_dropped_in_turn_all_generate_and_leave_no_worker(tiny_models):
-    """A notebook's pattern: tensor-parallel engines, each dropped (no shutdown call) before the next is made.
+    """A notebook's pattern: five tensor-parallel engines, each dropped (no shutdown call) before the next is made.
     Dropping the last reference stops the workers and leaves the process group, so the next one starts; so
     does a rendezvous that failed in between (torch counts its groups: the next one here must still be the
     fresh worker's "0")."""
@@ -190,7 +190,7 @@ def test_engines_made_and_dropped_in_turn_all_generate_and_leave_no_worker(tiny_
 
     path = str(tiny_models["llama"])
     seen = []
-    for _ in range(2):
+    for i in range(5):
         llm = LLM(path, tensor_parallel_size=2, **ENGINE)
         seen += llm.llm_engine.executor.workers.procs
         seen.append(_outputs(llm, PROMPTS[:1])[0][0])
@@ -198,8 +198,9 @@ def test_engines_made_and_dropped_in_turn_all_generate_and_leave_no_worker(tiny_
         gc.collect()
         assert not torch.distributed.is_initialized()
         assert worker_pids(os.getpid()) == []
-        with pytest.raises(torch.distributed.DistStoreError):  # no rank 1 ever comes
-            init_tensor_parallel(0, 2, f"tcp://127.0.0.1:{free_port()}", torch.device("cpu"), timeout_s=1)
+        if i == 1:
+            with pytest.raises(torch.distributed.DistStoreError):  # no rank 1 ever comes
+                init_tensor_parallel(0, 2, f"tcp://127.0.0.1:{free_port()}", torch.device("cpu"), timeout_s=1)
     tokens = seen[1::2]
     assert all(t == tokens[0] and len(t) == 12 for t in tokens)
     assert all(p.poll() is not None for p in seen[0::2])
