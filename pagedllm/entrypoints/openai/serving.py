@@ -144,7 +144,7 @@ class ServingContext:
         work = asyncio.get_running_loop().run_in_executor(self.isolated_pool, lambda: fn(*args, cancel))
         try:
             return await (unless_disconnected(work, raw) if raw is not None else work)
-        except WorkerCancelled:
+        except (WorkerCancelled, asyncio.CancelledError):  # the kill, or uvicorn ending the task first (a busy host)
             raise APIError(503, "the server is shutting down: this request was ended before it started",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         finally:
