@@ -11,7 +11,7 @@ from pagedllm.structured_output_limits import StructuredOutputLimits
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
+DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
@@ -36,10 +36,10 @@ def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: torch.dtype | None
         resolved = checkpoint_dtype or torch.float32
         if resolved == torch.float16 and device == "cpu":
             resolved = torch.bfloat16
-    elif dtype in _DTYPES:
-        resolved = _DTYPES[dtype]
+    elif dtype in DTYPES:
+        resolved = DTYPES[dtype]
     else:
-        raise ValueError(f"dtype must be one of 'auto', {', '.join(sorted(_DTYPES))}; got {dtype!r}.")
+        raise ValueError(f"dtype must be one of 'auto', {', '.join(sorted(DTYPES))}; got {dtype!r}.")
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {resolved} is not supported; use float32, bfloat16 or float16.")
     return resolved
@@ -50,6 +50,25 @@ def resolve_kv_cache_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.
     if cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {cache_dtype!r}.")
     return KV_CACHE_DTYPES[cache_dtype] or model_dtype
+
+
+# vLLM's default capture sizes: 1, 2, 4, then every multiple of 8 (up to max_num_seqs).
+_SMALL_SIZES = (1, 2, 4)
+_SIZE_STEP = 8
+
+
+def graph_batch_sizes(max_num_seqs: int, sizes: list[int] | tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """The batch sizes to capture: `sizes` (--cuda-graph-sizes) or 1, 2, 4, 8, 16, 24, ... up to
+    max_num_seqs, which is itself a size, so every decode step has a graph. Sizes above max_num_seqs
+    are dropped (no step is that large)."""
+    if sizes is None:
+        chosen = {s for s in _SMALL_SIZES if s <= max_num_seqs}
+        chosen |= set(range(_SIZE_STEP, max_num_seqs + 1, _SIZE_STEP)) | {max_num_seqs}
+        return tuple(sorted(chosen))
+    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+    if bad or not sizes:
+        raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {list(sizes)!r}.")
+    return tuple(sorted({s for s in sizes if s <= max_num_seqs})) or (min(max_num_seqs, min(sizes)),)
 
 
 @dataclass(frozen=True)
@@ -127,7 +146,6 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
     preemption_mode: str | None = None  # one of PREEMPTION_MODES; None: swap when it pays, else recompute
     # fcfs: every request is equal (a request's `priority` other than 0 is refused); priority: lower values
     # are scheduled first and preempted last. As vLLM: a client's priority counts only when the operator says so.
@@ -185,8 +203,6 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.cuda_graph_sizes is not None:
-            from pagedllm.model_executor.cuda_graphs import graph_batch_sizes
-
             graph_batch_sizes(self.scheduler.max_num_seqs, self.cuda_graph_sizes)  # refuse bad sizes now
         mode, swap = self.scheduler.preemption_mode, self.cache.swap_space_bytes
         if mode == "swap" and not swap:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.stats import EngineStats
 from pagedllm.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -67,12 +68,13 @@ class EngineMetrics:
         self._seen_prefix = (0, 0)  # (queries, hits)
 
     def on_step(self, engine: LLMEngine, outputs: list[RequestOutput], now: float) -> None:
-        self._set_gauges(engine)
-        self._on_preemptions(engine)
-        stats = engine.prefix_cache_stats
-        self.prefix_queries.inc(stats.queries - self._seen_prefix[0])
-        self.prefix_hits.inc(stats.hits - self._seen_prefix[1])
-        self._seen_prefix = (stats.queries, stats.hits)
+        stats = engine.stats()
+        self._set_gauges(stats)
+        self._on_preemptions(stats)
+        prefix = stats.prefix_cache
+        self.prefix_queries.inc(prefix.queries - self._seen_prefix[0])
+        self.prefix_hits.inc(prefix.hits - self._seen_prefix[1])
+        self._seen_prefix = (prefix.queries, prefix.hits)
         self.batch_size.observe(engine.last_step_num_requests)
         self._on_structured_outputs(engine)
         for out in outputs:
@@ -106,8 +108,8 @@ class EngineMetrics:
         self.grammar_bitmask.inc(grammars.bitmask_seconds - self._seen.get("bitmask_seconds", 0.0))
         self._seen["bitmask_seconds"] = grammars.bitmask_seconds
 
-    def _on_preemptions(self, engine: LLMEngine) -> None:
-        pre, swap = engine.preemption_stats, engine.swap_stats
+    def _on_preemptions(self, stats: EngineStats) -> None:
+        pre, swap = stats.preemptions, stats.swaps
         self._advance(self.preemptions["swap"], "swap", pre.swap)
         self._advance(self.preemptions["recompute"], "recompute", pre.recompute)
         self._advance(self.swapped_out_blocks, "out", swap.swapped_out_blocks)
@@ -124,13 +126,12 @@ class EngineMetrics:
         if hit:
             self.mm_cache_hits.inc()
 
-    def _set_gauges(self, engine: LLMEngine) -> None:
-        sched = engine.scheduler
-        self.running.set(len(sched.running))
-        self.waiting.set(len(sched.waiting))
-        self.swapped.set(len(sched.swapped))
-        self.kv_usage.set(engine.kv_cache.pool.usage)
-        self.swap_usage.set(engine.kv_cache.swap_usage)
+    def _set_gauges(self, stats: EngineStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.swapped.set(stats.num_swapped)
+        self.kv_usage.set(stats.kv_cache.usage)
+        self.swap_usage.set(stats.swap_usage)
 
     def on_abort(self, engine: LLMEngine, request_id: str) -> None:
         """An aborted request (on the engine thread): its bookkeeping dropped (it produces no final output), and
@@ -138,4 +139,4 @@ class EngineMetrics:
         without this, an idle server would show their running count and blocks until the next request."""
         self._tokens.pop(request_id, None)
         self._last_time.pop(request_id, None)
-        self._set_gauges(engine)
+        self._set_gauges(engine.stats())

@@ -15,7 +15,7 @@ import pytest
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.cli import main
-from pagedllm.memory.dry_run import dry_run_plan
+from pagedllm.entrypoints.plan import dry_run_plan
 from pagedllm.memory.plan import GiB, KiB
 
 ALLOWED_FLAGS = {"--max-model-len", "--gpu-memory-utilization", "--dtype", "--max-num-batched-tokens",

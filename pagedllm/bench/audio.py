@@ -154,10 +154,9 @@ def run_in_child(argv: list[str], backend: str) -> AudioBenchResult:
     return AudioBenchResult(**row)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from pagedllm.entrypoints.cli import add_engine_args
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.engine.arg_utils import add_engine_args
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="pagedllm bench audio")
     add_engine_args(p)
     p.add_argument("--backend", choices=BACKENDS, action="append",
@@ -167,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=1, help="pagedllm: requests decoded together")
     p.add_argument("--output-json", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
     args = p.parse_args(argv)
     backends = [args.only_backend] if args.only_backend else (args.backend or ["pagedllm"])
     if len(backends) > 1:

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
               async_output_proc=args.async_output_proc, max_num_seqs=max(args.batch_sizes),
               max_model_len=args.prompt_len + 2 * args.steps + 2 * prefill_steps + 16)
     engine = llm.llm_engine
-    print(f"{args.model} on {engine.executor.driver.device}, graphs {'off' if engine.executor.driver.graphs is None else 'on'}, "
+    print(f"{args.model} on {engine.runner_facts.device}, graphs {'on' if engine.runner_facts.graph_sizes else 'off'}, "
           f"async output processing {'on' if engine.config.async_output_proc else 'off'}; ms per decode step "
           f"(mean of {args.steps}; the phases from torch.profiler, the step time from a run without it)")
     print("(recording every op slows op-heavy phases: compare the phases with the profiled step)")

@@ -89,7 +89,11 @@ def measure_decode_steps(llm, batch: int, prompt_len: int, steps: int, seed: int
     ids = [engine.add_request(None, {"prompt_token_ids": [rng.randrange(10, min(vocab, 32000)) for _ in range(prompt_len)]},
                               SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
            for _ in range(batch)]
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+    def prefilled() -> bool:
+        stats = engine.stats(with_requests=True)
+        return stats.num_waiting == 0 and all(r.computed_tokens >= prompt_len for r in stats.requests)
+
+    while not prefilled():
         engine.step()
     engine.step()  # a first decode step, not timed
     times = []
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--matmul-window must be > 0 seconds, got {args.matmul_window}")
 
     from pagedllm import LLM
-    from pagedllm.engine.arg_utils import parse_size
+    from pagedllm.utils import parse_size
     from pagedllm.memory.model_size import kv_bytes_per_token, num_params_from_config
 
     # Room for the timed steps, plus the decode steps of sequences prefilled in an early chunk while the
@@ -204,12 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, quantization=args.quantization,
               max_model_len=args.prompt_len + args.steps + 2 * prefill_steps + 16, max_num_seqs=max(args.batch_sizes),
               device=args.device, attention_backend=args.attention_backend)
-    device = llm.llm_engine.executor.driver.device
+    device = torch.device(llm.llm_engine.runner_facts.device)
     cfg = llm.llm_engine.config.model
     num_params = num_params_from_config(cfg.hf_config)
-    weights = llm.llm_engine.executor.driver.weight_bytes
+    weights = llm.llm_engine.runner_facts.weight_bytes
     kv_tok = kv_bytes_per_token(cfg.hf_config, cfg.dtype)
-    model = llm.llm_engine.executor.driver.model
+    model = llm.llm_engine.local_model()
     print("per row: read bandwidth and matmul rate are the best of samples taken before each timed step "
           f"(the matmul rate over {args.matmul_window:g} s of back-to-back matmuls); the step time is the best "
           "of --steps (median beside)")

@@ -9,9 +9,10 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
+
+from pagedllm.bench.load import finish_report, percentiles, send_all
 
 
 @dataclass
@@ -25,17 +26,6 @@ class RequestRecord:
     output_tokens: int = 0
     ok: bool = True
     error: str = ""
-
-
-def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "median": None, "p99": None}
-    ordered = sorted(values)
-    rank = 0.99 * (len(ordered) - 1)  # linear interpolation, as numpy.percentile does
-    lo = int(rank)
-    hi = min(lo + 1, len(ordered) - 1)
-    p99 = ordered[lo] + (ordered[hi] - ordered[lo]) * (rank - lo)
-    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered), "p99": p99}
 
 
 def compute_metrics(records: list[RequestRecord], duration: float) -> dict:
@@ -54,10 +44,10 @@ def compute_metrics(records: list[RequestRecord], duration: float) -> dict:
         "request_throughput": len(done) / duration if duration else 0.0,
         "output_throughput": output / duration if duration else 0.0,
         "total_token_throughput": (prompt + output) / duration if duration else 0.0,
-        **{f"{k}_ttft_ms": v for k, v in _percentiles(ttft).items()},
-        **{f"{k}_tpot_ms": v for k, v in _percentiles(tpot).items()},
-        **{f"{k}_itl_ms": v for k, v in _percentiles(itl).items()},
-        **{f"{k}_e2e_latency_ms": v for k, v in _percentiles(e2e).items()},
+        **{f"{k}_ttft_ms": v for k, v in percentiles(ttft).items()},
+        **{f"{k}_tpot_ms": v for k, v in percentiles(tpot).items()},
+        **{f"{k}_itl_ms": v for k, v in percentiles(itl).items()},
+        **{f"{k}_e2e_latency_ms": v for k, v in percentiles(e2e).items()},
     }
 
 
@@ -135,19 +125,6 @@ async def run_load(base_url: str, endpoint: str, model: str | None, prompts: lis
         duration = await send_all([lambda i=i, p=p: fire(i, *p) for i, p in enumerate(prompts)], request_rate, rng)
     bar.close()
     return records, duration
-
-
-async def send_all(requests: list, request_rate: float, rng: random.Random) -> float:
-    """Start each request (a coroutine function) in order, all at once or at Poisson arrivals of
-    `request_rate` per second; wait for all; return the seconds from the first start to the last end."""
-    start = time.perf_counter()
-    tasks = []
-    for i, request in enumerate(requests):
-        tasks.append(asyncio.create_task(request()))
-        if request_rate != float("inf") and i < len(requests) - 1:
-            await asyncio.sleep(rng.expovariate(request_rate))  # Poisson arrivals
-    await asyncio.gather(*tasks)
-    return time.perf_counter() - start
 
 
 async def _chat_texts(client, base_url: str, headers: dict, prompts: list[list[int]]) -> list[str]:
@@ -256,13 +233,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prefix cache hits in this run: {metrics['prefix_cache_hits']:.0f} of "
               f"{metrics['prefix_cache_queries']:.0f} prompt tokens")
     return finish_report(args, metrics, [r.error for r in records if not r.ok])
-
-
-def finish_report(args, metrics: dict, errors: list[str]) -> int:
-    """The first error (if any), the JSON file (--output-json), the exit status (1 when a request failed)."""
-    if errors:
-        print(f"first error: {errors[0]}")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump({"settings": vars(args), "metrics": metrics}, f, indent=2, default=str)
-    return 0 if not errors else 1

@@ -16,7 +16,7 @@ import struct
 import time
 from dataclasses import dataclass
 
-from pagedllm.bench.serve import _percentiles, finish_report, send_all
+from pagedllm.bench.load import finish_report, percentiles, send_all
 
 WORDS = ("the morning light falls on quiet water while a small boat drifts past green hills and far away a "
          "bell rings twice as people walk along the old stone road toward the market").split()
@@ -48,8 +48,8 @@ def compute_audio_metrics(records: list[AudioRecord], duration: float, rate: int
     audio_s = sum(r.samples for r in done) / rate
     return {"completed": len(done), "failed": len(records) - len(done), "duration_s": duration,
             "audio_seconds": audio_s, "audio_seconds_per_second": audio_s / duration if duration else 0.0,
-            **{f"{k}_ttfa_ms": v for k, v in _percentiles(ttfa).items()},
-            **{f"{k}_rtf": v for k, v in _percentiles(rtf).items()}}
+            **{f"{k}_ttfa_ms": v for k, v in percentiles(ttfa).items()},
+            **{f"{k}_rtf": v for k, v in percentiles(rtf).items()}}
 
 
 async def _speech(client, base: str, body: dict, headers: dict, record: AudioRecord) -> int | None:

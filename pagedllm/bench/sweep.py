@@ -66,8 +66,8 @@ def plot_sweep(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from pagedllm.entrypoints.cli import add_engine_args
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.engine.arg_utils import add_engine_args
 
     p = argparse.ArgumentParser(prog="pagedllm bench sweep")
     add_engine_args(p)
@@ -80,6 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llamacpp-jsonl", default=None, help="llama-batched-bench -oj output to draw beside")
     p.add_argument("--output-json", default=None)
     p.add_argument("--plot", default=None, help="write a PNG here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     args.ignore_eos = True
     if any(b < 1 for b in args.batch_sizes) or args.input_len < 1 or args.output_len < 1:
@@ -94,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pagedllm.bench import throughput as tp
     from pagedllm.bench.roofline import arithmetic_dtype, measure_bandwidth, measure_matmul
-    from pagedllm.engine.arg_utils import parse_size
+    from pagedllm.utils import parse_size
     from pagedllm.memory.model_size import kv_bytes_per_token, num_params_from_config
     from pagedllm.model_executor.model_files import load_hf_config, resolve_model_path
 
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = measure_matmul(matmul_dtype)
     print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {rate / 1e9:.0f} GFLOP/s "
           f"({str(matmul_dtype).removeprefix('torch.')})", flush=True)
-    shape = (num_params_from_config(cfg.hf_config), llm.llm_engine.executor.driver.weight_bytes,
+    shape = (num_params_from_config(cfg.hf_config), llm.llm_engine.runner_facts.weight_bytes,
              kv_bytes_per_token(cfg.hf_config, cfg.dtype))
     hf_model = tp._hf_model(args) if {"transformers", "transformers-cb"} & set(backends) else None
     for b in args.batch_sizes:

@@ -61,7 +61,7 @@ def file_requests(path: str, num_prompts: int, output_len: int | None, tokenizer
 def make_llm(args):
     """An LLM built from the shared engine flags in `args`."""
     from pagedllm import LLM
-    from pagedllm.entrypoints.cli import engine_args_from
+    from pagedllm.engine.arg_utils import engine_args_from
 
     engine_args = vars(engine_args_from(args))
     return LLM(engine_args.pop("model"), **engine_args)
@@ -182,8 +182,8 @@ def run_transformers_cb(args, requests: list[BenchRequest], model=None) -> float
     return time.perf_counter() - start
 
 
-def main(argv: list[str] | None = None) -> int:
-    from pagedllm.entrypoints.cli import add_engine_args
+def build_parser() -> argparse.ArgumentParser:
+    from pagedllm.engine.arg_utils import add_engine_args
 
     p = argparse.ArgumentParser(prog="pagedllm bench throughput")
     add_engine_args(p)  # the engine flags, shared with serve / generate / plan (--seed seeds the data too)
@@ -201,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--hf-batch-size", type=int, nargs="+", default=[16])
     p.add_argument("--output-json", default=None)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     backends = args.backend or ["pagedllm"]
 

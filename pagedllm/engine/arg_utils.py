@@ -1,14 +1,22 @@
 """EngineArgs: the user's settings (vLLM's names) turned into the engine's frozen configs."""
 from __future__ import annotations
 
+import argparse
 import logging
 import os
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 import torch
 
 from pagedllm.config import (
+    DISTRIBUTED_EXECUTOR_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    PREEMPTION_MODES,
+    SCHEDULING_POLICIES,
     QUANTIZATION_METHODS,
     CacheConfig,
     EngineConfig,
@@ -17,87 +25,151 @@ from pagedllm.config import (
     SchedulerConfig,
     resolve_dtype,
 )
-from pagedllm.structured_output_limits import StructuredOutputLimits
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.structured_output_limits import StructuredOutputLimits
 from pagedllm.model_executor.model_files import has_tokenizer, load_hf_config, resolve_model_path
-from pagedllm.utils import gib_to_bytes
+from pagedllm.utils import gib_to_bytes, parse_size
 
 logger = logging.getLogger(__name__)
 
 
-def parse_size(value: str | int | float | None) -> int | None:
-    """'128GiB', '119.7GB', '512MiB', '4G' or plain bytes -> bytes."""
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else int(value)
-    text = value.strip().replace(" ", "")
-    units = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10,
-             "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3,
-             "t": 1 << 40, "g": 1 << 30, "m": 1 << 20, "k": 1 << 10, "b": 1}
-    lower = text.lower()
-    for suffix, factor in units.items():
-        if lower.endswith(suffix):
-            number = lower[: -len(suffix)]
-            break
-    else:
-        number, factor = lower, 1
-    try:
-        size = int(float(number) * factor)
-    except (ValueError, OverflowError):
-        raise ValueError(f"cannot read {value!r} as a memory size; use e.g. 128GiB, 119.7GB, 512MiB or bytes") from None
-    if size < 0:
-        raise ValueError(f"a memory size cannot be negative, got {value!r}")
-    return size
+@dataclass(frozen=True)
+class Flag:
+    """How one EngineArgs field is given on a command line: its help, the names it may take (a callable, read
+    from the registry it names when a parser is built), extra spellings (vLLM's short ones), how a value is
+    read (default: from the field's type), and its group (SERVER_ONLY: only `serve` and `plan` have it)."""
+
+    help: str
+    choices: Callable[[], Iterable[str]] | None = None
+    aliases: tuple[str, ...] = ()
+    parse: Callable[[str], Any] | None = None
+    group: str = "engine"
+    metavar: str | None = None
+
+
+def flag(default: Any, help: str, **how: Any) -> Any:
+    """An EngineArgs field and its flag: the default is written once, for `LLM(...)` and the command line."""
+    return field(default=default, metadata={"flag": Flag(help, **how)})
+
+
+def _read_max_model_len(value: str) -> int | str:
+    return "auto" if value == "auto" else int(value)
+
+
+def _device(value: str) -> str:
+    if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r}: use auto, cpu, cuda or cuda:N")
+
+
+def _dtypes() -> tuple[str, ...]:
+    return ("auto", *DTYPES)
+
+
+def _attention_backends() -> tuple[str, ...]:
+    from pagedllm.model_executor.attention import ATTENTION_BACKENDS
+
+    return ATTENTION_BACKENDS
+
+
+SERVER_COMPILE_TIMEOUT_S = 10.0  # serve's (and plan's) structured-output compile deadline when none is given
+_LIMITS = StructuredOutputLimits()
+SERVER_ONLY = "engine, for serve and plan"  # a group only the commands that serve (or plan a server) have
+_STRUCTURED = "structured outputs: what one constraint may be and cost (a 400 names the limit)"
 
 
 @dataclass
 class EngineArgs:
-    model: str | None = None  # None: the built-in demo model
-    tokenizer: str | None = None
-    revision: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | str | None = None  # None: the model's limit; "auto": the largest that fits
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | str | None = None
-    num_gpu_blocks_override: int | None = None
-    kv_cache_dtype: str = "auto"  # auto (the model dtype), bfloat16, float16, float32, fp8, fp8_e4m3, fp8_e5m2
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False  # no CUDA graphs (vLLM's flag)
-    cuda_graph_sizes: list[int] | None = None  # decode batch sizes captured in CUDA graphs; None: 1, 2, 4, 8, 16, ...
-    # Make a step's outputs while the next runs on the device; None: on CUDA yes, on a CPU no (nothing to overlap:
-    # its steps run on the host). disable_async_output_proc is vLLM's flag for False.
-    async_output_proc: bool | None = None
-    disable_async_output_proc: bool = False
-    attention_backend: str = "auto"  # auto, torch, cpu or triton: how attention is computed (chosen at start)
-    # A request's logits independent of the rest of its batch (seeded draws the same in any batch; slower).
-    # None: VLLM_BATCH_INVARIANT=1 in the environment (vLLM's switch) turns it on.
-    batch_invariant: bool | None = None
-    tensor_parallel_size: int = 1  # ranks one model is split across (torch.distributed)
-    distributed_executor_backend: str | None = None  # mp (local processes, the default) or ray
-    load_format: str = "auto"
-    device: str = "auto"
-    quantization: str | None = None  # "int8": weight-only int8 decoder Linears, quantized at load
-    cpu_offload_gb: float = 0.0  # GiB of whole decoder layers' weights kept in host memory (CUDA only)
-    swap_space: float = 0.0  # GiB of host memory for preempted requests' KV blocks (vLLM's default: 4)
-    preemption_mode: str | None = None  # "swap" | "recompute"; None: swap when there is swap space and it pays
-    scheduling_policy: str = "fcfs"  # "priority": requests' `priority` orders scheduling and preemption
-    # Audio models: False turns off repetition-aware sampling (RAS), which the checkpoint's generation_config.json
-    # may set (ras_win_len / ras_win_max_num_repeat); RAS redraws repeated codes at random, even for greedy requests.
-    repetition_aware_sampling: bool = True
-    # What one structured-output constraint may be and cost (structured_output_limits.py); a compile timeout
-    # compiles in a worker process killed at the deadline (the server's default: 10 s); None compiles here.
-    structured_outputs_max_bytes: int = StructuredOutputLimits.max_spec_bytes
-    structured_outputs_max_properties: int = StructuredOutputLimits.max_properties
-    structured_outputs_max_alternatives: int = StructuredOutputLimits.max_alternatives
-    structured_outputs_max_depth: int = StructuredOutputLimits.max_depth
-    structured_outputs_compile_timeout: float | None = None
-    structured_outputs_compile_memory: int | str = StructuredOutputLimits.compile_memory_bytes
-    # The server renders requests' own chat templates in a worker process (--trust-request-chat-template): its
-    # memory is in the plan.
-    request_template_worker: bool = False
+    """The engine's settings, vLLM's names: `LLM(**kwargs)`, and every command's engine flags (add_engine_args).
+    A field and its flag are one entry: its default, help and choices are written here and nowhere else."""
+
+    model: str | None = flag(None, "HF model folder, config.json (with --load-format dummy) or hub name in the "
+                             "local HF cache; default: the built-in demo model")
+    tokenizer: str | None = flag(None, "tokenizer folder or hub name (default: the model's)")
+    revision: str | None = flag(None, "hub revision of the model in the local HF cache")
+    dtype: str = flag("auto", "weights' and activations' dtype; auto: the checkpoint's (float16 becomes bfloat16 "
+                      "on a CPU)", choices=_dtypes)
+    seed: int = flag(0, "seed of the random weights (--load-format dummy) and of unseeded sampling")
+    max_model_len: int | str | None = flag(None, "context length (prompt + output) in tokens; default: the "
+                                           "model's; auto: the longest that fits in memory", parse=_read_max_model_len)
+    block_size: int = flag(16, "tokens per KV cache block (a power of two up to 256)")
+    max_num_seqs: int = flag(256, "sequences running at once")
+    max_num_batched_tokens: int | None = flag(None, "tokens one step computes (prefill chunks and decodes); "
+                                              "default 2048")
+    gpu_memory_utilization: float = flag(0.9, "fraction of device memory the engine may take (on CPU: of host "
+                                         "memory)")
+    kv_cache_memory: int | str | None = flag(None, "KV cache size, e.g. 4GiB (overrides the utilization)",
+                                             parse=str)
+    num_gpu_blocks_override: int | None = flag(None, "KV cache blocks, whatever memory says")
+    kv_cache_dtype: str = flag("auto", "storage dtype of the KV cache: auto = the model dtype, fp8 = fp8_e4m3 "
+                               "(half a 16-bit cache; per-tensor k/v scales from the checkpoint, else 1.0)",
+                               choices=lambda: KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = flag(True, "reuse the KV cache of prompts' shared prefixes (full blocks)")
+    enforce_eager: bool = flag(False, "no CUDA graphs: every step's kernels are launched one by one (saves the "
+                               "graph pool's memory and the capture time at start; decode is slower)")
+    cuda_graph_sizes: list[int] | None = flag(None, "decode batch sizes captured in CUDA graphs at start (a decode "
+                                              "step of n sequences replays the smallest >= n); default 1 2 4 8 16 "
+                                              "24 ... up to --max-num-seqs", metavar="N")
+    async_output_proc: bool | None = flag(None, "make each step's outputs (detokenization, stop strings) while the "
+                                          "next step runs on the device; default: on with CUDA, off on a CPU "
+                                          "(nothing to overlap: its steps run on the host)")
+    disable_async_output_proc: bool = flag(False, "vLLM's spelling of --no-async-output-proc")
+    attention_backend: str = flag("auto", "how attention is computed: torch (PyTorch ops, any device), cpu "
+                                  "(native CPU kernels), triton (CUDA kernels reading the paged cache in place); "
+                                  "auto: triton on CUDA, cpu on a CPU, else torch", choices=_attention_backends)
+    batch_invariant: bool | None = flag(None, "a request's logits do not depend on the other requests in its "
+                                        "batch, so a seeded request samples the same tokens (or audio) alone or "
+                                        "beside any others; every Linear multiplies in fixed 16-row tiles and "
+                                        "attention runs per query (slower). Default: VLLM_BATCH_INVARIANT=1 in the "
+                                        "environment turns it on")
+    tensor_parallel_size: int = flag(1, "split the model across N ranks (devices; processes on a CPU): attention "
+                                     "heads, MLP and vocabulary sharded Megatron-style, one all-reduce per "
+                                     "attention and per MLP (torch.distributed: NCCL on CUDA, gloo on a CPU). "
+                                     "Refused, with the sizes that work, when it does not divide the model's heads",
+                                     aliases=("-tp",))
+    distributed_executor_backend: str | None = flag(None, "what starts the other ranks: mp (default) local "
+                                                    "processes; ray actors placed on a running Ray cluster "
+                                                    "(several machines: docs/distributed.md)",
+                                                    choices=lambda: DISTRIBUTED_EXECUTOR_BACKENDS)
+    load_format: str = flag("auto", "auto or safetensors: the checkpoint's weights; dummy: random weights of the "
+                            "config's shapes", choices=lambda: LOAD_FORMATS)
+    device: str = flag("auto", "auto (cuda when there is one), cpu, cuda or cuda:N", parse=_device)
+    quantization: str | None = flag(None, "int8: weight-only int8 decoder Linears (per-output-channel scales), "
+                                    "quantized at load; embeddings and LM head stay in --dtype",
+                                    choices=lambda: QUANTIZATION_METHODS, aliases=("-q",))
+    cpu_offload_gb: float = flag(0.0, "GiB of weights (whole decoder layers, the last first) kept in host memory "
+                                 "and copied to the GPU layer by layer; CUDA only")
+    swap_space: float = flag(0.0, "GiB of host memory for the KV blocks of preempted requests, swapped out and "
+                             "back in instead of recomputed. vLLM's default is 4 (and its V1 engine ignores the "
+                             "flag); pagedllm's is 0: no swap space, preempted requests recompute")
+    preemption_mode: str | None = flag(None, "force swap (needs --swap-space) or recompute preemption; default: "
+                                       "swap when there is swap space and the request has computed at least one "
+                                       "block, else recompute", choices=lambda: PREEMPTION_MODES)
+    scheduling_policy: str = flag("fcfs", "fcfs: first come first served, a request's priority other than 0 is "
+                                  "refused (400); priority: requests' priority field (lower first) orders "
+                                  "scheduling and preemption", choices=lambda: SCHEDULING_POLICIES)
+    repetition_aware_sampling: bool = flag(True, "audio models: repetition-aware sampling as the checkpoint's "
+                                           "generation_config.json sets it (ras_win_len); off: never (RAS redraws "
+                                           "repeated codes at random, even for greedy requests)")
+    structured_outputs_max_bytes: int = flag(_LIMITS.max_spec_bytes, "bytes of a JSON schema's text, a regex, a "
+                                             "grammar or a choice list", group=_STRUCTURED)
+    structured_outputs_max_properties: int = flag(_LIMITS.max_properties, "object properties in a whole JSON "
+                                                  "schema", group=_STRUCTURED)
+    structured_outputs_max_alternatives: int = flag(_LIMITS.max_alternatives, "members of one anyOf / oneOf / "
+                                                    "enum, strings of one choice", group=_STRUCTURED)
+    structured_outputs_max_depth: int = flag(_LIMITS.max_depth, "nesting of a JSON schema's objects, arrays and "
+                                             "combinators", group=_STRUCTURED)
+    structured_outputs_compile_timeout: float | None = flag(
+        None, f"seconds one constraint may take to compile, in a worker process that is then killed (400); 0: "
+              f"compile in the engine's process with no deadline. Default: {SERVER_COMPILE_TIMEOUT_S:g} for serve "
+              f"(and plan), 0 for generate and LLM(...) (the caller's own input)", group=_STRUCTURED)
+    structured_outputs_compile_memory: int | str = flag(_LIMITS.compile_memory_bytes, "memory the compile worker "
+                                                        "may take beyond its start (e.g. 2GiB)", parse=str,
+                                                        group=_STRUCTURED)
+    trust_request_chat_template: bool = flag(False, "allow a chat_template in requests (vLLM's flag); each is "
+                                             "rendered in a worker process (planned in the memory plan) under "
+                                             "--request-chat-template-timeout and a 1 GiB cap. Off: such requests "
+                                             "get 400", group=SERVER_ONLY)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -147,21 +219,20 @@ class EngineArgs:
         )
         batched = self.max_num_batched_tokens or 2048
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
-                                    max_model_len=max_model_len, preemption_mode=self.preemption_mode,
-                                    policy=self.scheduling_policy)
+                                    preemption_mode=self.preemption_mode, policy=self.scheduling_policy)
         return EngineConfig(model=model_config, cache=cache, scheduler=scheduler, device=device,
                             enforce_eager=self.enforce_eager, attention_backend=self._attention_backend(),
                             cuda_graph_sizes=None if self.cuda_graph_sizes is None else tuple(self.cuda_graph_sizes),
                             async_output_proc=self._async_output_proc(device),
                             batch_invariant=self._batch_invariant(), parallel=parallel,
                             structured_outputs=self._structured_output_limits(),
-                            request_template_worker=self.request_template_worker)
+                            request_template_worker=self.trust_request_chat_template)
 
     def _structured_output_limits(self) -> StructuredOutputLimits:
         return StructuredOutputLimits(
             max_spec_bytes=self.structured_outputs_max_bytes, max_properties=self.structured_outputs_max_properties,
             max_alternatives=self.structured_outputs_max_alternatives, max_depth=self.structured_outputs_max_depth,
-            compile_timeout_s=self.structured_outputs_compile_timeout,
+            compile_timeout_s=self.structured_outputs_compile_timeout or None,  # 0: in this process
             compile_memory_bytes=parse_size(self.structured_outputs_compile_memory))
 
     def _async_output_proc(self, device: str) -> bool:
@@ -252,3 +323,51 @@ class EngineArgs:
                 f"({derived}); positions past it were never trained. Use max_model_len <= {derived}."
             )
         return self.max_model_len
+
+
+# -- the command line, made from the table ---------------------------------------------------------------
+def engine_flags(server: bool = True) -> list[tuple[str, Any, Flag]]:
+    """(field name, default, Flag) of each engine flag, in the table's order; without the `server` group for
+    commands that serve nothing (generate, the offline benches)."""
+    return [(f.name, None if f.default is MISSING else f.default, f.metadata["flag"]) for f in fields(EngineArgs)
+            if server or f.metadata["flag"].group != SERVER_ONLY]
+
+
+def _type_name(field_name: str) -> str:
+    kind = EngineArgs.__dataclass_fields__[field_name].type  # a string under `from __future__ import annotations`
+    return kind if isinstance(kind, str) else getattr(kind, "__name__", str(kind))
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, server: bool = False) -> None:
+    """Every engine flag, from the table: the field's default, its help and choices; a bool field that is off
+    is a switch, one that is on (or unset) a --flag / --no-flag pair; a list field takes one or more values."""
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, default, how in engine_flags(server):
+        group = groups.get(how.group) or groups.setdefault(how.group, parser.add_argument_group(how.group))
+        kind = _type_name(name)
+        options: dict[str, Any] = {"default": default, "help": how.help, "dest": name}
+        if kind.startswith("bool"):  # vLLM's --enforce-eager; --no-enable-prefix-caching for one that is on
+            options["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
+        else:
+            options["type"] = how.parse or (int if kind.startswith(("int", "list[int]")) else
+                                            float if kind.startswith("float") else str)
+            if kind.startswith("list["):
+                options["nargs"] = "+"
+            if how.choices is not None:
+                options["choices"] = list(how.choices())
+            if how.metavar is not None:
+                options["metavar"] = how.metavar
+        group.add_argument(flag_name(name), *how.aliases, **options)
+
+
+def engine_args_from(ns: argparse.Namespace, server: bool = False) -> EngineArgs:
+    """The EngineArgs a parsed command line names; `server`: serve's (and plan's) defaults where the table
+    leaves the choice to the entry point."""
+    args = EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})
+    if server and args.structured_outputs_compile_timeout is None:
+        args.structured_outputs_compile_timeout = SERVER_COMPILE_TIMEOUT_S
+    return args

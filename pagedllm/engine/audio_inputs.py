@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pagedllm.engine.step_input import Frame
+from pagedllm.step_input import Frame
 from pagedllm.errors import InvalidPromptError
 from pagedllm.model_executor.audio_sampling import (
     AudioGenerationState,

@@ -40,7 +40,7 @@ class SwapStats:
     swapped_in_blocks: int = 0
 
 
-from pagedllm.engine.step_input import BlockCopy  # (source block, destination block) of one K/V block copy
+from pagedllm.step_input import BlockCopy  # (source block, destination block) of one K/V block copy
 
 
 @dataclass

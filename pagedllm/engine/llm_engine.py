@@ -4,64 +4,52 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Protocol
 
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.audio_inputs import AudioGeneration, AudioPrompt, refuse_audio
-from pagedllm.engine.detokenizer import IncrementalDetokenizer
+from pagedllm.engine.audio_inputs import AudioGeneration
+from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.kv_cache_manager import KVCacheManager, PrefixCacheStats, SwapStats
-from pagedllm.engine.request import FINISH_REASONS, Request, RequestStatus
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.request import RequestStatus
 from pagedllm.engine.scheduler import PreemptionStats, Scheduler
-from pagedllm.errors import InvalidParameterError, InvalidPromptError, KVCacheMemoryError
+from pagedllm.engine.stats import EngineStats, KVCacheUsage, RequestBlocks
+from pagedllm.errors import KVCacheMemoryError
 from pagedllm.memory.device import DeviceMemory, device_memory, host_memory
 from pagedllm.memory.facts import device_facts, measured_model_facts, settings_from, with_measured_offload_cost
 from pagedllm.memory.model_size import estimate_activation_bytes
-from pagedllm.memory.plan import MemoryPlan, kv_allocation_failure
+from pagedllm.memory.plan import ComponentMemory, MemoryPlan, kv_allocation_failure
 from pagedllm.memory.profiler import runtime_overhead_bytes
-from pagedllm.model_executor.audio_sampling import verify_audio_sampling_params
-from pagedllm.model_executor.model_files import generation_eos_ids
 from pagedllm.executor import Executor, make_executor
 from pagedllm.model_executor.model_runner import ModelRunnerOutput
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarCompiler, StructuredOutputManager
 from pagedllm.utils import phase
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | list[int] | dict
+class PlannedComponent(Protocol):
+    """A model beside the engine's own on its device (a speech model's audio tokenizer), loaded at start-up after
+    the engine has measured itself (weights, activation peak, runtime overhead: none of them include it) and
+    before the KV cache is sized from the plan (its memory is taken from the KV cache's budget). The plan shows
+    each of its parts on its own line."""
 
-
-@dataclass
-class _Sequence:
-    """One of a prompt's n samples: the engine request plus its text so far."""
-
-    request: Request
-    index: int
-    detokenizer: IncrementalDetokenizer | None
-
-
-@dataclass
-class _Group:
-    """What the user submitted under one request id: a prompt and its n samples."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    stream: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.sequences)
+    def load(self, config: EngineConfig, plan: MemoryPlan) -> list[ComponentMemory]:
+        """Load it; the memory to plan for it, given the engine's plan without it."""
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+    """Start-up, in phases: load the model (the executor's runners), profile and plan the memory, load the
+    planned components, allocate the KV cache, capture CUDA graphs, allocate the swap space."""
+
+    def __init__(self, config: EngineConfig, tokenizer=None, components: Sequence[PlannedComponent] = ()) -> None:
         self.tokenizer = tokenizer
+        self.components = tuple(components)
         at_start = device_memory(config.device)  # what others use, measured before we load anything
         tp = config.parallel.tensor_parallel_size
         if tp > 1 and at_start.device == "cpu":  # every rank's weights and KV cache are in this one memory
@@ -84,13 +72,12 @@ class LLMEngine:
             raise
 
     def _set_up(self, config: EngineConfig, at_start: DeviceMemory) -> None:
-        self.memory_plan = self._plan_memory(config, at_start)
+        self.memory_plan = self._plan_components(config, self._plan_memory(config, at_start))
         self.memory_plan.check()
         if config.model.max_model_len_auto:
-            config = self._with_max_model_len(config, self.memory_plan.max_model_len)
-            self.executor.set_max_model_len(config.model.max_model_len)
+            config = replace(config, model=replace(config.model, max_model_len=self.memory_plan.max_model_len))
             logger.info("max_model_len auto: %d tokens fit", config.model.max_model_len)
-        self.config = config
+        self.config = config  # the runners run with it from the allocation on
         logger.info("memory plan:\n%s", self.memory_plan.table())
         self._allocate_kv_cache()
         self._capture_graphs()
@@ -99,12 +86,11 @@ class LLMEngine:
                                        enable_caching=config.cache.enable_prefix_caching,
                                        num_swap_blocks=self.num_swap_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
-        self.eos_token_ids = self._eos_token_ids()
         # Audio models (None for text ones): how prompts carry audio and requests sample frames.
         self.audio = AudioGeneration.for_model(self.runner_facts.audio_spec, config.model.path,
                                                config.model.repetition_aware_sampling)
-        self._groups: dict[str, _Group] = {}
-        self._seq_of: dict[str, tuple[_Group, _Sequence]] = {}
+        self.inputs = InputProcessor(config, self.tokenizer, self.audio, self.structured_outputs)
+        self.outputs = OutputProcessor(self.tokenizer, self.audio, self.scheduler.finish_request)
         self._ids = itertools.count()
         self.last_step_num_requests = 0
         self._deferred: ModelRunnerOutput | None = None  # a step whose outputs are made during the next one
@@ -147,11 +133,21 @@ class LLMEngine:
         planned_for = self.executor.plan_device_memory(at_start)
         return with_measured_offload_cost(MemoryPlan(settings, device_facts(planned_for, host=host), model_facts))
 
+    def _plan_components(self, config: EngineConfig, plan: MemoryPlan) -> MemoryPlan:
+        """Load each planned component; the plan with their memory."""
+        for component in self.components:
+            parts = component.load(config, plan)
+            for part in parts:
+                logger.info("%s: weights %d bytes, peak %d bytes (%s)", part.name, part.weight_bytes,
+                            part.activation_bytes, part.source)
+            plan = replace(plan, components=plan.components + tuple(parts))
+        return plan
+
     def _allocate_kv_cache(self) -> None:
         """The planned KV cache; a failed allocation (memory taken since it was measured) is a KVCacheMemoryError."""
         plan = self.memory_plan
         try:
-            self.executor.allocate_kv_cache(plan.num_blocks)
+            self.executor.allocate_kv_cache(plan.num_blocks, self.config)
         except torch.OutOfMemoryError as e:
             self.executor.release_kv_cache()
             raise KVCacheMemoryError(kv_allocation_failure(plan, str(e).splitlines()[0])) from None
@@ -181,84 +177,25 @@ class LLMEngine:
         logger.info("swap space: %d blocks x %d bytes in host memory", num_blocks, block_bytes)
         return num_blocks
 
-    @staticmethod
-    def _with_max_model_len(config: EngineConfig, max_model_len: int) -> EngineConfig:
-        return replace(config, model=replace(config.model, max_model_len=max_model_len),
-                       scheduler=replace(config.scheduler, max_model_len=max_model_len))
-
-    def _eos_token_ids(self) -> set[int]:
-        ids = generation_eos_ids(self.config.model.path)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        if not ids:
-            eos = getattr(self.config.model.hf_config, "eos_token_id", None)
-            ids = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
-        return ids
-
     # -- requests -----------------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self.inputs.eos_token_ids
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A string, {"prompt": str}, {"prompt_token_ids": [...]} or a list of ids -> (text, ids)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise InvalidPromptError("a prompt dict needs a 'prompt' or 'prompt_token_ids' key")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidPromptError(
-                    "this model has no tokenizer (its folder has no tokenizer files), so prompts must be "
-                    "token ids: {'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise InvalidPromptError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+        return self.inputs.tokenize_prompt(prompt)
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
                             add_generation_prompt: bool = True, tools: list[dict] | None = None
                             ) -> tuple[str, list[int]]:
         """Render a conversation (and the tools it may call) with the model's (or the given) chat template ->
         (text, token ids)."""
-        if self.tokenizer is None:
-            raise InvalidPromptError("chat needs a tokenizer with a chat template; this model has no tokenizer")
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise InvalidPromptError("this model's tokenizer has no chat template; pass one (--chat-template)")
-        text = self.tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, tools=tools)
-        # The template already holds the special tokens (BOS): don't add them twice.
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
-
-    @staticmethod
-    def _cache_salt(prompt: PromptType) -> str | None:
-        """A prompt dict's `cache_salt`: requests with different salts never share cached blocks."""
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise InvalidPromptError(f"cache_salt must be a non-empty string, got {salt!r}")
-        return salt
-
-    def _validate_prompt(self, ids: list[int]) -> None:
-        max_len = self.config.model.max_model_len
-        if not ids:
-            raise InvalidPromptError("the prompt is empty: it must hold at least one token")
-        if len(ids) >= max_len:
-            raise InvalidPromptError(
-                f"the prompt has {len(ids)} tokens, but max_model_len is {max_len}: it must be at most "
-                f"{max_len - 1} tokens to leave room for one generated token")
-        vocab = self.config.model.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidPromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return self.inputs.apply_chat_template(messages, chat_template, add_generation_prompt, tools)
 
     def check_priority(self, priority: int) -> None:
-        """A request's priority counts only under --scheduling-policy priority (as vLLM): elsewhere anything but
-        0 is refused, so no client can put itself first on a server whose operator did not ask for it."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise TypeError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduler.policy != "priority":
-            raise InvalidParameterError("priority", f"priority {priority} needs the engine started with "
-                                                    f"--scheduling-policy priority (scheduling_policy='priority'); "
-                                                    f"under {self.config.scheduler.policy} every request's is 0.")
+        """Refused unless the scheduling policy is `priority` (InputProcessor.check_priority)."""
+        self.inputs.check_priority(priority)
 
     def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
                     stream: bool = False, strict_length: bool = False, priority: int = 0) -> str:
@@ -266,58 +203,14 @@ class LLMEngine:
         (the server's rule) instead of generation ending at max_model_len (the offline rule).
         `priority` (vLLM's: lower is more important) decides who is preempted first when blocks run out."""
         params = params or SamplingParams()
-        self.check_priority(priority)
+        self.inputs.check_priority(priority)
         request_id = request_id if request_id is not None else str(next(self._ids))
-        if request_id in self._groups:
+        if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize_prompt(prompt)
-        audio_prompt = self._audio_prompt(prompt, ids, params)
-        if audio_prompt is not None:
-            ids = audio_prompt.token_ids  # its audio tokens expanded to one placeholder per frame
-        self._validate_prompt(ids)
-        cache_salt = self._cache_salt(prompt)
-        max_len = self.config.model.max_model_len
-        if strict_length and params.max_tokens is not None and len(ids) + params.max_tokens > max_len:
-            raise InvalidPromptError(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} for the "
-                f"completion). Reduce the prompt or max_tokens to at most {max_len - len(ids)}.")
-        vocab = self.config.model.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > vocab:
-                raise InvalidParameterError(name, f"{name} must be at most the vocabulary size ({vocab}), got {value}.")
-        bad_bias = [t for t in params.logit_bias or {} if t >= vocab]
-        if bad_bias:
-            raise InvalidParameterError("logit_bias", f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary "
-                                                      f"[0, {vocab})")
-        if params.guided_decoding is not None:
-            self.structured_outputs.compile(params.guided_decoding)  # an invalid constraint fails here, not in a step
-        bad_stop = [t for t in params.stop_token_ids if t >= self.config.model.vocab_size]
-        if bad_stop:
-            raise InvalidParameterError("stop_token_ids", f"stop_token_ids {bad_stop} are outside the vocabulary "
-                                                          f"[0, {self.config.model.vocab_size})")
-        group = _Group(request_id, text, ids, [], [None] if params.prompt_logprobs is not None else None, stream)
-        for j in range(params.n):
-            child_params = params if params.n == 1 else params.clone(
-                n=1, seed=None if params.seed is None else params.seed + j)
-            # The n samples are queued one after another: the later ones hit the first one's prompt
-            # blocks in the prefix cache, even when all are scheduled in the same step.
-            req = Request(f"{request_id}" if params.n == 1 else f"{j}_{request_id}", ids, child_params,
-                          self.eos_token_ids if audio_prompt is None else set(),  # audio ends by its codes
-                          self.config.model.max_model_len, cache_salt=cache_salt, priority=priority,
-                          **self._audio_request_args(audio_prompt, child_params))
-            detok = None
-            if self.tokenizer is not None and audio_prompt is None:  # audio outputs have no text
-                detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
-                                               params.spaces_between_special_tokens, params.stop,
-                                               params.include_stop_str_in_output)
-            seq = _Sequence(req, j, detok)
-            group.sequences.append(seq)
-            self._seq_of[req.request_id] = (group, seq)
-        self._groups[request_id] = group
-        for seq in group.sequences:
-            self.scheduler.add_request(seq.request)
+        new = self.inputs.process(request_id, prompt, params, strict_length, priority)
+        self.outputs.add(request_id, new.prompt, new.prompt_token_ids, params, new.requests, stream)
+        for req in new.requests:
+            self.scheduler.add_request(req)
         return request_id
 
     @property
@@ -325,26 +218,9 @@ class LLMEngine:
         """Structured outputs' compiler (made at the first constraint; usable from any thread)."""
         return self.structured_outputs.compiler
 
-    def _audio_prompt(self, prompt: PromptType, ids: list[int], params: SamplingParams) -> AudioPrompt | None:
-        """An audio model's prompt with its audio checked and expanded; None for a text model."""
-        if self.audio is None:
-            refuse_audio(prompt)
-            return None
-        verify_audio_sampling_params(params)
-        return self.audio.prompt(prompt, ids)
-
-    def _audio_request_args(self, audio_prompt: AudioPrompt | None, params: SamplingParams) -> dict:
-        if audio_prompt is None:
-            return {}
-        return {"prompt_frames": audio_prompt.frames, "audio_state": self.audio.new_state(audio_prompt, params.seed)}
-
     def abort_request(self, request_id: str) -> None:
-        group = self._groups.pop(request_id, None)
-        if group is None:
-            return
-        for seq in group.sequences:
-            self.scheduler.finish_request(seq.request, RequestStatus.FINISHED_ABORTED)
-            self._seq_of.pop(seq.request.request_id, None)
+        for req in self.outputs.abort(request_id):
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._deferred is not None
@@ -368,11 +244,11 @@ class LLMEngine:
         outputs = []
         if self._deferred is not None:  # the host's work on the last step, while the device runs this one
             with phase("outputs"):
-                outputs, self._deferred = self._emit(self._deferred), None
+                outputs, self._deferred = self.outputs.process(self._deferred), None
         if pending is None:
             return outputs
         with phase("wait"):
-            result = self._drop_ended(pending.result())
+            result = self.outputs.drop_ended(pending.result())
         with phase("update"):
             self.scheduler.update(plan, {rid: row.token_id for rid, row in result.sampled.items()},
                                   {rid: (row.frame, row.audio_finished) for rid, row in result.sampled.items()
@@ -381,105 +257,31 @@ class LLMEngine:
             self._deferred = result
             return outputs
         with phase("outputs"):
-            return outputs + self._emit(result)
+            return outputs + self.outputs.process(result)
 
-    def _drop_ended(self, result: ModelRunnerOutput) -> ModelRunnerOutput:
-        """Without the rows of requests that ended (a stop string, an abort) while their step ran."""
-        def live(rid: str) -> bool:
-            entry = self._seq_of.get(rid)
-            return entry is not None and not entry[1].request.is_finished
+    def local_model(self):
+        """This process's model (rank 0's shard under tensor parallelism): what `bench roofline` times layer by
+        layer. Serving never needs it."""
+        return self.executor.local_model()
 
-        return ModelRunnerOutput({rid: row for rid, row in result.sampled.items() if live(rid)},
-                                 {rid: c for rid, c in result.prompt_logprobs.items() if live(rid)})
-
-    def _emit(self, result: ModelRunnerOutput) -> list[RequestOutput]:
-        """The step's outputs: tokens detokenized, stop strings applied, finished groups let go."""
-        outputs = []
-        for group in self._process_outputs(result):
-            if group.finished or group.stream:
-                outputs.append(self._make_output(group))
-            if group.finished:
-                self._groups.pop(group.request_id, None)
-                for seq in group.sequences:
-                    self._seq_of.pop(seq.request.request_id, None)
-        return outputs
-
-    def _process_outputs(self, result: ModelRunnerOutput) -> list[_Group]:
-        touched: dict[str, _Group] = {}
-        for rid, chunk in result.prompt_logprobs.items():
-            if rid in self._seq_of:  # (an abort since the step ran drops its rows)
-                self._add_prompt_logprobs(self._seq_of[rid][0], chunk)
-        for rid, row in result.sampled.items():
-            if rid not in self._seq_of:
-                continue
-            group, seq = self._seq_of[rid]
-            req = seq.request
-            touched[group.request_id] = group
-            if row.logprob is not None:
-                entry = {row.token_id: Logprob(row.logprob, row.rank, self._decode_one(row.token_id))}
-                for rank, (tid, lp) in enumerate(zip(row.top_ids, row.top_logprobs), start=1):
-                    if tid not in entry:
-                        entry[tid] = Logprob(lp, rank, self._decode_one(tid))
-                req.output_logprobs.append(entry)
-                req.cumulative_logprob += row.logprob
-            if seq.detokenizer is None:
-                continue
-            stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and (
-                row.token_id in req.eos_token_ids or row.token_id == req.stop_reason)
-            if stopped_by_token and not req.sampling_params.include_stop_str_in_output:
-                continue  # the EOS / stop token's own text is not part of the output
-            _, stop = seq.detokenizer.add_token(row.token_id)
-            if stop is None and req.is_finished:
-                _, stop = seq.detokenizer.flush()
-            if stop is not None:
-                if not req.is_finished:
-                    self.scheduler.finish_request(req, RequestStatus.FINISHED_STOPPED)
-                    req.stop_reason = stop
-                elif req.status == RequestStatus.FINISHED_LENGTH:
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        return list(touched.values())
-
-    def _add_prompt_logprobs(self, group: _Group, chunk) -> None:
-        if group.prompt_logprobs is None:
-            return
-        # After a preemption the prompt is recomputed: keep only positions not yet recorded.
-        skip = len(group.prompt_logprobs) - chunk.first_position
-        if skip < 0:
-            raise RuntimeError(f"prompt logprobs arrived out of order for request {group.request_id}")
-        rows = list(zip(chunk.token_logprobs, chunk.ranks, chunk.top_ids, chunk.top_logprobs))[skip:]
-        for lp, rank, ids, lps in rows:
-            target = group.prompt_token_ids[len(group.prompt_logprobs)]
-            entry = {target: Logprob(lp, rank, self._decode_one(target))}
-            for r, (tid, tlp) in enumerate(zip(ids, lps), start=1):
-                entry.setdefault(tid, Logprob(tlp, r, self._decode_one(tid)))
-            group.prompt_logprobs.append(entry)
-
-    def _decode_one(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([token_id])
-
-    def _make_output(self, group: _Group) -> RequestOutput:
-        outs = []
-        for seq in group.sequences:
-            req = seq.request
-            want_lp = req.sampling_params.logprobs is not None
-            outs.append(CompletionOutput(
-                index=seq.index,
-                text=seq.detokenizer.output_text if seq.detokenizer else "",
-                token_ids=list(req.output_token_ids),
-                cumulative_logprob=req.cumulative_logprob if want_lp else None,
-                logprobs=list(req.output_logprobs) if want_lp else None,
-                finish_reason=FINISH_REASONS.get(req.status),
-                stop_reason=req.stop_reason,
-                audio_codes=self.audio.output_codes(req.audio_frames) if req.generates_audio else None,
-            ))
-        reqs = [seq.request for seq in group.sequences]
-        scheduled = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
-        metrics = {"arrival_time": min(r.arrival_time for r in reqs),
-                   "first_scheduled_time": min(scheduled) if scheduled else None}
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                             group.prompt_logprobs, outs, group.finished, metrics)
+    def stats(self, with_requests: bool = False) -> EngineStats:
+        """What the engine holds now (call it on the engine's thread: AsyncLLMEngine.call); `with_requests`: each
+        request's blocks too (/v1/memory)."""
+        pool, kv = self.kv_cache.pool, self.kv_cache
+        running = {r.request_id: r for r in self.scheduler.running}
+        requests = tuple(RequestBlocks(rid, len(table), running[rid].num_computed_tokens if rid in running else 0)
+                         for rid, table in kv.block_tables.items()) if with_requests else ()
+        grammars = self.structured_outputs
+        return EngineStats(
+            memory_plan=self.memory_plan, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), num_swapped=len(self.scheduler.swapped),
+            kv_cache=KVCacheUsage(kv.block_size, pool.num_blocks, pool.num_used_blocks, pool.num_free_blocks,
+                                  pool.num_cached_blocks, pool.usage),
+            swap_blocks_total=self.num_swap_blocks, swap_blocks_used=kv.num_swapped_blocks, swap_usage=kv.swap_usage,
+            preemptions=replace(self.scheduler.preemption_stats), swaps=replace(kv.swap_stats),
+            prefix_cache=replace(kv.prefix_cache_stats),
+            structured_output_cache_bytes=grammars.compiler.cache_bytes if grammars.started else 0,
+            requests=requests)
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:

@@ -5,7 +5,7 @@ import enum
 import time
 from typing import Any
 
-from pagedllm.engine.step_input import Frame, TokenSequence, frames_between
+from pagedllm.step_input import Frame, TokenSequence, frames_between
 from pagedllm.outputs import Logprob
 from pagedllm.sampling_params import SamplingParams
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.kv_cache_manager import BlockCopy, KVCacheManager
 from pagedllm.engine.request import Request, RequestStatus
-from pagedllm.engine.step_input import NewRequestData, ScheduledTokens, StepInput
+from pagedllm.step_input import NewRequestData, ScheduledTokens, StepInput
 
 
 @dataclass

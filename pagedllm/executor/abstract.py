@@ -12,9 +12,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pagedllm.engine.step_input import StepInput
+from pagedllm.config import EngineConfig
 from pagedllm.memory.device import DeviceMemory
 from pagedllm.model_executor.model_runner import ModelRunner, PendingOutput, RunnerFacts
+from pagedllm.step_input import StepInput
 
 
 @dataclass(frozen=True)
@@ -65,11 +66,10 @@ class Executor(ABC):
         activation = None if any(p is None for p in peaks) else max(peaks)
         return ProfiledPeaks(activation, self.driver.profiled_graph_bytes)
 
-    def set_max_model_len(self, max_model_len: int) -> None:
-        self.collective_rpc("set_max_model_len", (max_model_len,))
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("allocate_kv_cache", (num_blocks,))
+    def allocate_kv_cache(self, num_blocks: int, config: EngineConfig) -> None:
+        """The planned KV cache on every rank, and the engine's final config (the plan's max_model_len) for
+        every runner from now on."""
+        self.collective_rpc("allocate_kv_cache", (num_blocks, config))
 
     def release_kv_cache(self) -> None:
         self.collective_rpc("release_kv_cache")
@@ -83,6 +83,10 @@ class Executor(ABC):
     def kv_block_bytes(self) -> int:
         """Bytes of one KV block on a rank, as allocated (every rank holds the same shape)."""
         return self.driver.kv_block_bytes
+
+    def local_model(self):
+        """Rank 0's model, in this process (what `bench roofline` times layer by layer)."""
+        return self.driver.model
 
     def allocate_swap_space(self, num_blocks: int) -> None:
         self.collective_rpc("allocate_swap_space", (num_blocks,))

@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
-from pagedllm.engine.step_input import StepInput
+from pagedllm.step_input import StepInput
 from pagedllm.errors import WorkerError
 from pagedllm.executor.abstract import Executor
 from pagedllm.executor.worker import StepCommand

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.step_input import StepInput
+from pagedllm.step_input import StepInput
 from pagedllm.memory.device import DeviceMemory, device_memory
 from pagedllm.model_executor.audio_sampling import commit_frame
 from pagedllm.model_executor.model_runner import ModelRunner

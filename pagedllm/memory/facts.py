@@ -5,6 +5,7 @@ from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
+from pagedllm.config import graph_batch_sizes
 from pagedllm.memory.device import DeviceMemory, host_to_device_bytes_per_s
 from pagedllm.memory.model_size import (
     estimate_activation_bytes,
@@ -19,7 +20,7 @@ from pagedllm.memory.plan import MiB, DeviceFacts, MemoryPlan, ModelFacts, PlanS
 
 # Runtime overhead a dry run assumes: on a GPU the CUDA context, the kernels PyTorch and cuBLAS load
 # and their workspaces; the Python interpreter, torch and tokenizer on a CPU. The engine measures its
-# own. Measured on an H200 (torch 2.11, CUDA 13, Llama-3.1-8B shape, docs/benchmarks.md): 855-876 MiB.
+# own. Measured on an H200 (torch 2.11, CUDA 13, Llama-3.1-8B shape, docs/history/benchmarks-diary.md): 855-876 MiB.
 ESTIMATED_OVERHEAD = {"cuda": 896 * MiB, "cpu": 512 * MiB}
 # Page-locked host memory is mapped into the GPU's address space: --cpu-offload-gb's host buffers add
 # to the device-side overhead (H200: +80 MiB for 11.78 GiB offloaded, ~0.7%).
@@ -158,8 +159,6 @@ def planned_workers(engine_config) -> tuple[tuple[str, int], ...]:
 def planned_graph_sizes(engine_config) -> tuple[int, ...]:
     """The decode sizes a CUDA engine with these flags captures (the engine's runner has the last word:
     it also turns graphs off for a model its backend cannot run); () on a CPU and with --enforce-eager."""
-    from pagedllm.model_executor.cuda_graphs import graph_batch_sizes
-
     c = engine_config
     if (not c.device.startswith("cuda") or c.enforce_eager or c.attention_backend not in ("auto", "triton")
             or c.model.cpu_offload_bytes):

@@ -15,12 +15,10 @@ Norms, rotary embeddings, activations, embeddings and the samplers already work 
 """
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
-from pagedllm.model_executor.quantization import Int8Linear
+from pagedllm.model_executor.linear import Linear, LinearMethod
 
 TILE_ROWS = 16  # every Linear multiplies this many rows at a time in batch-invariant mode
 ENV_VAR = "VLLM_BATCH_INVARIANT"  # vLLM's switch for the same mode; "1" turns it on by default
@@ -42,18 +40,29 @@ def tiled(forward, tile_rows: int = TILE_ROWS):
     return forward_in_tiles
 
 
+class TiledLinearMethod(LinearMethod):
+    """A layer's method (packed, quantized or plain) run on fixed tiles of rows; an MLP's fused SiLU-and-multiply
+    too, and an LM head in its one orientation (the other, for many rows, would be a second shape)."""
+
+    def __init__(self, inner: LinearMethod, tile_rows: int = TILE_ROWS) -> None:
+        self.inner, self.tile_rows = inner, tile_rows
+        self.name = f"tiled({inner.name})"
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return tiled(lambda t: self.inner.apply(layer, t), self.tile_rows)(x)
+
+    def apply_and_act(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return tiled(lambda t: self.inner.apply_and_act(layer, t), self.tile_rows)(x)
+
+    def apply_logits(self, layer, x: torch.Tensor, vocab_major: bool) -> torch.Tensor:
+        return self.apply(layer, x)
+
+
 def make_linears_batch_invariant(model: nn.Module, tile_rows: int = TILE_ROWS) -> int:
-    """Re-bind every Linear's forward (as installed: packed, quantized or plain) to run in fixed tiles, the
-    MLPs' fused SiLU-and-multiply too, and the LM head back to its Linear (a CPU engine's other orientation
-    for many rows would be a second shape). Returns how many products were re-bound."""
+    """Every Linear's method (as chosen at load) run in fixed tiles. Returns how many layers."""
     count = 0
     for module in model.modules():
-        if isinstance(module, (nn.Linear, Int8Linear)):
-            module.forward = tiled(module.forward, tile_rows)
+        if isinstance(module, Linear) and not isinstance(module.method, TiledLinearMethod):
+            module.method = TiledLinearMethod(module.method, tile_rows)
             count += 1
-            fused = getattr(module, "fused_silu_and_mul", None)
-            if fused is not None:
-                module.fused_silu_and_mul = tiled(fused, tile_rows)
-    if "compute_logits" in vars(model):  # an instance override (cpu_ops); the class's calls the LM head
-        model.compute_logits = types.MethodType(type(model).compute_logits, model)
     return count

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import functools
 import os
+from types import ModuleType
+
+from pagedllm.model_executor.cpu_kernels import cpu_flags_line, load_cpu_kernels
 
 CPU_ISAS = ("none", "avx2", "avx512_bf16", "amx")  # worst to best
 ENV = "PAGEDLLM_CPU_ISA"
@@ -47,8 +50,6 @@ def onednn_bf16() -> bool:
 @functools.lru_cache(maxsize=1)
 def machine_cpu_isa() -> str:
     """The best path this machine (and this build of the kernels) has."""
-    from pagedllm.model_executor.cpu_kernels import load_cpu_kernels
-
     kernels = load_cpu_kernels()
     if kernels is not None and kernels.amx_available():  # (whatever PAGEDLLM_CPU_ISA has switched off)
         return "amx"
@@ -81,8 +82,6 @@ _amx_allowed = True  # what the kernels were last told (they start with AMX allo
 def _allow_amx(allowed: bool) -> None:
     global _amx_allowed
     if allowed != _amx_allowed:
-        from pagedllm.model_executor.cpu_kernels import load_cpu_kernels
-
         load_cpu_kernels().set_amx_allowed(allowed)
         _amx_allowed = allowed
 
@@ -96,8 +95,6 @@ def expected_cpu_isas() -> list[str]:
     """What available_cpu_isas() says once the kernels are built, read from the CPU's flags (/proc/cpuinfo: what
     -march=native compiles for) without building them: the test suite is parametrized with it at collection, a
     minute before the first test that needs the kernels has them built, and checks it against them then."""
-    from pagedllm.model_executor.cpu_kernels import cpu_flags_line
-
     flags = set(cpu_flags_line().partition(":")[2].split())
     if {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags:
         return _paths_up_to("amx")
@@ -108,3 +105,21 @@ def expected_cpu_isas() -> list[str]:
 
 def _paths_up_to(best: str) -> list[str]:
     return list(reversed(CPU_ISAS[:CPU_ISAS.index(best) + 1]))
+
+
+_isa_applied: str | None = None  # the PAGEDLLM_CPU_ISA value the kernels' AMX switch was last set for
+
+
+def cpu_kernels() -> ModuleType | None:
+    """The compiled kernels, or None: when they cannot be had (the reason logged once), with
+    PAGEDLLM_CPU_KERNELS=0, or with PAGEDLLM_CPU_ISA=none. Below
+    PAGEDLLM_CPU_ISA=amx their AMX paths are off."""
+    global _isa_applied
+    forced = os.environ.get(ENV, "")
+    if forced.strip().lower() == "none":
+        return None
+    kernels = load_cpu_kernels()
+    if kernels is not None and forced != _isa_applied:
+        cpu_isa()  # checks the value and sets the AMX switch
+        _isa_applied = forced
+    return kernels

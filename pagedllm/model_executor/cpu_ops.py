@@ -1,91 +1,65 @@
-"""The CPU's native ops (cpu_kernels), installed on a CPU engine's model once at load: the op table of
-the `cpu` backend outside attention. The model files and layers.py hold only the PyTorch reference;
-`install_cpu_ops` re-binds the forwards of the modules the kernels serve (norms, rotary embedding, the
-MLP's SiLU-and-multiply, the LM head's few-row products) and re-lays the Linears' weights for the CPU's
-vector / matrix units. Nothing in a hot function asks which device it runs on.
+"""The CPU's native ops (cpu_kernels) for a CPU engine, chosen once at load: the op table of the `cpu` backend
+outside attention. Norms, rotary embeddings and SiLU-and-multiply choose their `forward_cpu` (layers.py,
+select_forwards); here, each Linear gets the LinearMethod that multiplies its weight fastest on this CPU's vector /
+matrix units (its weight re-laid once where that pays), and an LM head that may compute its logits in the
+other orientation. Nothing in a hot function asks which device it runs on.
 """
 from __future__ import annotations
 
 import logging
-import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model_executor.cpu_isa import cpu_isa, machine_cpu_isa, onednn_bf16
-from pagedllm.model_executor.cpu_kernels import cpu_kernels
-from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
-from pagedllm.model_executor.models.llama import LlamaMLP
+from pagedllm.model_executor.cpu_isa import cpu_isa, cpu_kernels, machine_cpu_isa, onednn_bf16
+from pagedllm.model_executor.layers import NATIVE_DTYPES
+from pagedllm.model_executor.linear import (
+    UNQUANTIZED,
+    Embedding,
+    EmbeddingMethod,
+    GateUpLinear,
+    LinearMethod,
+    LMHead,
+)
 
 logger = logging.getLogger(__name__)
 
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the element-wise kernels and the GEMV take
 
-
-def install_cpu_ops(model: nn.Module, pack: bool = True) -> int:
-    """Bind the native forwards where cpu_kernels built, and (with `pack`) re-lay the Linears' weights
-    (pack_linear_weights). Returns the bytes held in packed form."""
-    kernels = cpu_kernels()
-    dtype = next(model.parameters()).dtype
+def install_cpu_ops(model: nn.Module, native: bool, pack: bool = True) -> int:
+    """Each Linear's method on this CPU (with `pack`: pack_linear_weights), and with `native` (the CPU's kernels
+    serve the ops: layers.select_forwards) an LM head that may compute its logits vocab-major. Returns the
+    bytes held in packed form."""
     isa = cpu_isa()
     logger.info("CPU path: %s%s", isa, "" if isa == machine_cpu_isa() else
                 f" (forced by PAGEDLLM_CPU_ISA; this machine has {machine_cpu_isa()})")
-    if kernels is not None and dtype in NATIVE_DTYPES:
-        native = {RMSNorm: ("forward", _native_rms_norm), RotaryEmbedding: ("rotate", _native_rotate),
-                  LlamaMLP: ("forward", _native_mlp)}
-        for module in model.modules():
-            if type(module) in native:
-                method, fn = native[type(module)]
-                setattr(module, method, types.MethodType(fn, module))
-        if hasattr(model, "lm_head"):
-            model.compute_logits = types.MethodType(_cpu_compute_logits, model)
-    return pack_linear_weights(model) if pack else 0
+    packed = pack_linear_weights(model, vocab_major=native) if pack else 0
+    if native:
+        for head in model.modules():
+            if isinstance(head, LMHead) and head.method is UNQUANTIZED:
+                head.method = CpuLinear(vocab_major=True)
+    return packed
 
 
-def _native_rms_norm(self: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
-    """One pass (the residual add updates `residual` in place), the reference's rounding."""
-    if x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype \
-            and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
-        out = cpu_kernels().rms_norm(x, residual, self.weight, self.eps)
-        return out if residual is None else (out, residual)
-    return RMSNorm.forward(self, x, residual)
+class CpuLinear(LinearMethod):
+    """A plain weight on a CPU. As an LM head with `vocab_major`, a bf16 weight computes W @ hidden^T and returns
+    that (vocab, rows) array's transposed view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a caller
+    that reads any layout (up to GEMV_MAX_ROWS rows the head's own product runs a GEMV, faster still)."""
 
+    name = "cpu-plain"
 
-def _native_rotate(self: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x rotated in place, the reference's rounding."""
-    if x.stride(-1) == 1 and self.cos.dtype == torch.float32 and positions.dtype == torch.long \
-            and positions.is_contiguous():
-        cpu_kernels().rotary_embedding(x, positions, self.cos, self.sin)
-        return x
-    return RotaryEmbedding.rotate(self, positions, x)
+    def __init__(self, vocab_major: bool = False) -> None:
+        self.vocab_major = vocab_major
 
+    def apply_logits(self, layer, x: torch.Tensor, vocab_major: bool) -> torch.Tensor:
+        w = layer.weight
+        if vocab_major and self.vocab_major and self._orientation_pays(x) and x.dim() == 2 \
+                and x.shape[0] > GEMV_MAX_ROWS and w.dtype == torch.bfloat16 and w.numel() > 0 and layer.bias is None:
+            return (w @ x.T).T
+        return self.apply(layer, x)
 
-def _native_mlp(self, x: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up in one pass: straight from the packed gate / up product's blocks when the weight
-    was packed with them alternating (pack_linear_weights), else over the product (the same rounding)."""
-    fused = getattr(self.gate_up_proj, "fused_silu_and_mul", None)
-    if fused is not None:
-        return self.down_proj(fused(x))
-    gate_up = self.gate_up_proj(x)
-    if self.act is F.silu and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
-        return self.down_proj(cpu_kernels().silu_and_mul(gate_up))
-    gate, up = gate_up.chunk(2, dim=-1)
-    return self.down_proj(self.act(gate) * up)
-
-
-def _cpu_compute_logits(self, hidden: torch.Tensor, vocab_major: bool = False) -> torch.Tensor:
-    """(rows, vocab) logits. With vocab_major, a plain bf16 LM head (a tied embedding that
-    pack_linear_weights could not pack, e.g. without AMX) computes W @ hidden^T and returns that
-    (vocab, rows) array's transposed view: ~1.6x faster than hidden @ W^T at 64-128 rows, for a caller
-    that reads any layout. (Up to GEMV_MAX_ROWS rows the head's own forward runs a GEMV, faster still;
-    on a CPU without bf16 arithmetic the head's forward multiplies many rows in fp32.)"""
-    w = self.lm_head.weight
-    upcasts = hasattr(self.lm_head, "plain_forward") and hidden.shape[0] >= UPCAST_MIN_ROWS
-    if vocab_major and not upcasts and hidden.dim() == 2 and hidden.shape[0] > GEMV_MAX_ROWS \
-            and w.dtype == torch.bfloat16 and w.numel() > 0 and self.lm_head.bias is None:
-        return (w @ hidden.T).T
-    return self.lm_head(hidden)
+    def _orientation_pays(self, x: torch.Tensor) -> bool:
+        return True
 
 
 def fused_kernels(x: torch.Tensor):
@@ -96,45 +70,26 @@ def fused_kernels(x: torch.Tensor):
     return cpu_kernels()
 
 
-def _packed_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-
-
-def _kernel_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return cpu_kernels().packed_linear(x, self.packed_weight, self.packed_bias)
-
-
-def _kernel_gate_up_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The plain [gate | up] product from a weight packed with gate and up blocks alternating."""
-    out = cpu_kernels().packed_linear(x, self.packed_weight, self.packed_bias)
-    return out.unflatten(-1, (-1, 2, 16)).transpose(-3, -2).flatten(-3)
-
-
-def _kernel_silu_and_mul(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up of this gate / up Linear's product in one pass (see pack_linear_weights)."""
-    return cpu_kernels().packed_linear_silu_mul(x, self.packed_weight, self.packed_bias)
-
-
-def _kernel_embedding_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    return cpu_kernels().packed_embedding(ids, self.packed_weight)
-
-
 # Up to this many rows, a plain bf16 weight is multiplied by cpu_kernels' GEMV: it streams the weight
 # once for all rows (a 151,936 x 896 LM head at one row: 26 ms against torch.mv's 34 ms here).
 GEMV_MAX_ROWS = 4
 
 
-def _shared_weight_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """For a bf16 weight that must keep its plain layout (a tied LM head): with few rows,
+class SharedWeightLinear(CpuLinear):
+    """A bf16 weight that must keep its plain layout (a tied LM head, on oneDNN): with few rows,
     W @ x^T (a GEMV over W's contiguous rows) runs ~1.5x faster on CPU than x @ W^T."""
-    if x.dim() != 2 or x.shape[0] > 32:
-        return F.linear(x, self.weight, self.bias)
-    kernels = cpu_kernels() if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 else None
-    if kernels is not None:
-        out = kernels.gemv_bf16(x, self.weight)
-    else:
-        out = torch.mv(self.weight, x[0]).unsqueeze(0) if x.shape[0] == 1 else (self.weight @ x.T).T
-    return out if self.bias is None else out + self.bias
+
+    name = "cpu-shared-weight"
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] > 32:
+            return F.linear(x, layer.weight, layer.bias)
+        kernels = cpu_kernels() if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 else None
+        if kernels is not None:
+            out = kernels.gemv_bf16(x, layer.weight)
+        else:
+            out = torch.mv(layer.weight, x[0]).unsqueeze(0) if x.shape[0] == 1 else (layer.weight @ x.T).T
+        return out if layer.bias is None else out + layer.bias
 
 
 # From this many rows, on a CPU with no bf16 arithmetic (no AMX, no AVX512-BF16: PyTorch's bf16 matmul
@@ -157,18 +112,85 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _upcast_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """Many rows in fp32; 2-4 rows through cpu_kernels' GEMV (the weight read once for all rows: 896 x
-    1152 at 4 rows 0.25 vs 0.44 ms, 4864 x 896 0.70 vs 1.90, LM head 46 vs 105, same machine); one row,
-    or 5-15, the plain bf16 product (at one row as fast as the GEMV)."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.dtype == torch.bfloat16 and rows >= UPCAST_MIN_ROWS:
-        return upcast_linear(x, self.weight, self.bias)
-    kernels = cpu_kernels() if 2 <= rows <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 else None
-    if kernels is not None and self.weight.is_contiguous():
-        out = kernels.gemv_bf16(x.reshape(rows, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)
-        return out if self.bias is None else out + self.bias
-    return self.plain_forward(x)
+class UpcastLinear(CpuLinear):
+    """On a CPU with no bf16 arithmetic: many rows in fp32 (upcast_linear); 2-4 rows through cpu_kernels' GEMV
+    (the weight read once for all rows: 896 x 1152 at 4 rows 0.25 vs 0.44 ms, 4864 x 896 0.70 vs 1.90, LM head
+    46 vs 105, same machine); one row, or 5-15, `plain` (the bf16 product, at one row as fast as the GEMV; a
+    tied weight's GEMV orientation)."""
+
+    name = "cpu-upcast"
+
+    def __init__(self, plain: CpuLinear) -> None:
+        super().__init__(plain.vocab_major)
+        self.plain = plain
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if x.dtype == torch.bfloat16 and rows >= UPCAST_MIN_ROWS:
+            return upcast_linear(x, layer.weight, layer.bias)
+        kernels = cpu_kernels() if 2 <= rows <= GEMV_MAX_ROWS and x.dtype == torch.bfloat16 else None
+        if kernels is not None and layer.weight.is_contiguous():
+            out = kernels.gemv_bf16(x.reshape(rows, x.shape[-1]), layer.weight).view(*x.shape[:-1], -1)
+            return out if layer.bias is None else out + layer.bias
+        return self.plain.apply(layer, x)
+
+    def _orientation_pays(self, x: torch.Tensor) -> bool:
+        return x.shape[0] < UPCAST_MIN_ROWS  # from there its fp32 product is the faster one
+
+
+class OneDnnPackedLinear(LinearMethod):
+    """oneDNN's blocked bf16 layout (AVX-512 without AMX); the plain weight is freed."""
+
+    name = "onednn-packed"
+
+    def __init__(self, packed_weight: torch.Tensor) -> None:
+        self.packed_weight = packed_weight
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, layer.bias, "none", [], "")
+
+
+class KernelPackedLinear(LinearMethod):
+    """cpu_kernels' packed layout (packed_linear.cpp: AMX, or AVX2 / FMA widening bf16 in registers); the plain
+    weight is freed."""
+
+    name = "kernel-packed"
+
+    def __init__(self, packed_weight: torch.Tensor, packed_bias: torch.Tensor | None) -> None:
+        self.packed_weight = packed_weight
+        self.packed_bias = packed_bias
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels().packed_linear(x, self.packed_weight, self.packed_bias)
+
+
+class KernelPackedGateUp(KernelPackedLinear):
+    """A [gate | up] weight packed with its gate and up blocks alternating (gate 0-15, up 0-15, gate 16-31, ...):
+    SiLU(gate) * up is computed as each block pair leaves the matrix units, no (rows, 2 * width) product
+    written and read back. Its plain product is still there (un-interleaved) for what asks for it."""
+
+    name = "kernel-packed-gate-up"
+
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        out = cpu_kernels().packed_linear(x, self.packed_weight, self.packed_bias)
+        return out.unflatten(-1, (-1, 2, 16)).transpose(-3, -2).flatten(-3)
+
+    def apply_and_act(self, layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.act_and_mul.hidden_act != "silu":
+            return super().apply_and_act(layer, x)
+        return cpu_kernels().packed_linear_silu_mul(x, self.packed_weight, self.packed_bias)
+
+
+class PackedRowsEmbedding(EmbeddingMethod):
+    """An embedding whose weight a tied LM head packed (one copy for both): rows read back out of the layout."""
+
+    name = "kernel-packed-rows"
+
+    def __init__(self, packed_weight: torch.Tensor) -> None:
+        self.packed_weight = packed_weight
+
+    def apply(self, layer, ids: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels().packed_embedding(ids, self.packed_weight)
 
 
 # The batch size oneDNN picks the packed layout for. Measured on a 2-core AMX Xeon, 24 layers of the
@@ -188,7 +210,7 @@ def cpu_has_bf16_arithmetic() -> bool:
     return cpu_isa() in ("amx", "avx512_bf16")
 
 
-def pack_linear_weights(model: nn.Module) -> int:
+def pack_linear_weights(model: nn.Module, vocab_major: bool = False) -> int:
     """On CPU in bfloat16, re-lay every Linear's weight once for the CPU's vector / matrix units; the
     plain weight is freed. Returns the bytes now held in packed form. The path is cpu_isa()'s (the
     machine's best, or a lower one PAGEDLLM_CPU_ISA forces).
@@ -197,10 +219,9 @@ def pack_linear_weights(model: nn.Module) -> int:
     one layout serves every batch size, read at memory bandwidth at one row (24 layers of
     Qwen2.5-0.5B: 39-42 ms against oneDNN's 78-84 ms here) and faster than oneDNN at 64-512 rows.
     A weight shared by a Linear and an Embedding (a tied LM head) is packed once for both: the
-    embedding reads its rows back out of the packed layout. A Linear marked `feeds_silu_and_mul`
-    (an MLP's [gate | up]) is packed with its gate and up blocks alternating and gains
-    `fused_silu_and_mul(x)`: SiLU(gate) * up computed as each block pair leaves the matrix units
-    (no (rows, 2 * intermediate) product written and read back); its forward still gives the product.
+    embedding reads its rows back out of the packed layout. An MLP's [gate | up] (GateUpLinear) is
+    packed with its gate and up blocks alternating (KernelPackedGateUp): SiLU(gate) * up computed as each
+    block pair leaves the matrix units (no (rows, 2 * intermediate) product written and read back).
     `avx512_bf16` (oneDNN bf16, AVX-512 without AMX): oneDNN's blocked format, 2-3x faster than the
     plain bf16 product at one row and ~1.4x at 64; a tied weight then stays plain (one copy) and
     multiplies in the orientation that is faster for decode. `avx2` (no bf16 arithmetic), the same
@@ -216,7 +237,7 @@ def pack_linear_weights(model: nn.Module) -> int:
     fma = isa == "avx2" and own_kernels
     onednn = isa in ("amx", "avx512_bf16") and onednn_bf16()  # (on amx: the weights not in whole blocks)
     if not (own_kernels or onednn):
-        _use_fp32_arithmetic(model)
+        _use_fp32_arithmetic(model, vocab_major)
         return 0
     sharers: dict[int, list[nn.Module]] = {}
     for module in model.modules():
@@ -224,72 +245,67 @@ def pack_linear_weights(model: nn.Module) -> int:
             sharers.setdefault(id(param), []).append(module)
     packed_bytes = 0
     for module in model.modules():
-        if not isinstance(module, nn.Linear):
+        if not _packable(module):
             continue
         w = module.weight
-        if w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.numel() == 0:
-            continue
         others = [m for m in sharers[id(w)] if m is not module]
         if others:
             embedding = others[0]
-            if own_kernels and _kernel_packable(w) and len(others) == 1 and isinstance(embedding, nn.Embedding) \
+            if own_kernels and _kernel_packable(w) and len(others) == 1 and isinstance(embedding, Embedding) \
                     and embedding.max_norm is None:
-                _pack_for_kernels(module, kernels)
-                embedding.packed_weight = module.packed_weight
+                method = _pack_for_kernels(module, kernels)
+                embedding.method = PackedRowsEmbedding(method.packed_weight)
                 embedding.weight = module.weight
-                embedding.forward = _kernel_embedding_forward.__get__(embedding)
                 packed_bytes += w.numel() * w.element_size()
             elif fma:
-                _upcast_many_rows(module, tied=True)
+                module.method = UpcastLinear(SharedWeightLinear(vocab_major))
             else:
-                module.forward = _shared_weight_forward.__get__(module)
+                module.method = SharedWeightLinear(vocab_major)
             continue
         if own_kernels and _kernel_packable(w):
-            gate_up = getattr(module, "feeds_silu_and_mul", False) and w.shape[0] % 32 == 0  # gate, up: whole blocks
-            _pack_for_kernels(module, kernels, gate_up=gate_up)
+            _pack_for_kernels(module, kernels)
         elif onednn:
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACKING_BATCH_HINT)
+            module.method = OneDnnPackedLinear(torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACKING_BATCH_HINT))
             module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
-            module.forward = _packed_linear_forward.__get__(module)
         else:
             if fma:
-                _upcast_many_rows(module, tied=False)
+                module.method = UpcastLinear(CpuLinear(vocab_major))
             continue
         packed_bytes += w.numel() * w.element_size()
     return packed_bytes
 
 
-def _use_fp32_arithmetic(model: nn.Module) -> None:
+def _packable(module: nn.Module) -> bool:
+    """A Linear still multiplying its plain bf16 weight in host memory (not int8, not packed, not empty)."""
+    if not isinstance(module, nn.Linear) or getattr(module, "method", UNQUANTIZED) is not UNQUANTIZED:
+        return False
+    w = module.weight
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.numel() > 0
+
+
+def _use_fp32_arithmetic(model: nn.Module, vocab_major: bool) -> None:
     """No bf16 arithmetic on this CPU and no kernels to pack for: every bf16 Linear on CPU multiplies
     UPCAST_MIN_ROWS rows or more in fp32 (upcast_linear); fewer rows keep the bf16 product (a tied LM
     head its GEMV)."""
     tied = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
     for module in model.modules():
-        w = getattr(module, "weight", None)
-        if not isinstance(module, nn.Linear) or w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.numel() == 0:
-            continue
-        _upcast_many_rows(module, tied=id(w) in tied)
+        if _packable(module):
+            plain = SharedWeightLinear(vocab_major) if id(module.weight) in tied else CpuLinear(vocab_major)
+            module.method = UpcastLinear(plain)
 
 
-def _upcast_many_rows(module: nn.Linear, tied: bool) -> None:
-    """Products of UPCAST_MIN_ROWS rows or more run in fp32 (upcast_linear); fewer keep the plain bf16
-    forward (a weight tied to an embedding: its shared-weight forward)."""
-    plain = _shared_weight_forward if tied else type(module).forward
-    module.plain_forward = plain.__get__(module)
-    module.forward = _upcast_linear_forward.__get__(module)
-
-
-def _pack_for_kernels(module: nn.Linear, kernels, gate_up: bool = False) -> None:
+def _pack_for_kernels(module: nn.Linear, kernels) -> KernelPackedLinear:
+    """The weight in cpu_kernels' layout (a [gate | up] weight whose gate and up are whole 16-row blocks with its
+    blocks alternating); the plain weight freed. Returns the layer's new method."""
     w = module.weight.detach()
     bias = None if module.bias is None else module.bias.detach().float()
+    gate_up = isinstance(module, GateUpLinear) and w.shape[0] % 32 == 0
     if gate_up:  # rows [gate | up] -> gate 0-15, up 0-15, gate 16-31, ...: each pair in one pass
         def alternate(t: torch.Tensor) -> torch.Tensor:
             return t.unflatten(0, (2, -1, 16)).transpose(0, 1).flatten(0, 2)
         w, bias = alternate(w), None if bias is None else alternate(bias)
-        module.forward = _kernel_gate_up_forward.__get__(module)
-        module.fused_silu_and_mul = _kernel_silu_and_mul.__get__(module)
-    else:
-        module.forward = _kernel_linear_forward.__get__(module)
-    module.packed_weight = kernels.pack_linear_weight(w)
-    module.packed_bias = None if bias is None else bias.contiguous()
+    method = (KernelPackedGateUp if gate_up else KernelPackedLinear)(
+        kernels.pack_linear_weight(w), None if bias is None else bias.contiguous())
+    module.method = method
     module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype), requires_grad=False)
+    return method

@@ -24,24 +24,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# vLLM's default capture sizes: 1, 2, 4, then every multiple of 8 (up to max_num_seqs).
-_SMALL_SIZES = (1, 2, 4)
-_SIZE_STEP = 8
-
-
-def graph_batch_sizes(max_num_seqs: int, sizes: list[int] | tuple[int, ...] | None = None) -> tuple[int, ...]:
-    """The batch sizes to capture: `sizes` (--cuda-graph-sizes) or 1, 2, 4, 8, 16, 24, ... up to
-    max_num_seqs, which is itself a size, so every decode step has a graph. Sizes above max_num_seqs
-    are dropped (no step is that large)."""
-    if sizes is None:
-        chosen = {s for s in _SMALL_SIZES if s <= max_num_seqs}
-        chosen |= set(range(_SIZE_STEP, max_num_seqs + 1, _SIZE_STEP)) | {max_num_seqs}
-        return tuple(sorted(chosen))
-    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
-    if bad or not sizes:
-        raise ValueError(f"cuda_graph_sizes must be batch sizes >= 1, got {list(sizes)!r}.")
-    return tuple(sorted({s for s in sizes if s <= max_num_seqs})) or (min(max_num_seqs, min(sizes)),)
-
 
 @dataclass
 class CapturedStep:

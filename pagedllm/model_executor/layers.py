@@ -1,5 +1,7 @@
-"""Building blocks shared by the model files: norms, rotary embeddings, activations, in PyTorch ops on any
-device (the reference). A CPU engine replaces some forwards with native ones at load (cpu_ops.py)."""
+"""Building blocks shared by the model files: norms, rotary embeddings, activations. Each op with device-specific
+code is a CustomOp: a reference forward in PyTorch ops (`forward_native`, any device) and the platform's own
+(`forward_cpu`: the native CPU kernels), one of which the loader selects once (select_forwards). Linear layers
+choose how they multiply the same way, through their LinearMethod (linear.py)."""
 from __future__ import annotations
 
 import math
@@ -11,11 +13,46 @@ from torch import nn
 from pagedllm.distributed.parallel_state import tp_group
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.attention.base import current_forward_id
+from pagedllm.model_executor.cpu_isa import cpu_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the CPU's element-wise kernels and GEMV take
 
 
-class RMSNorm(nn.Module):
+class CustomOp(nn.Module):
+    """An op with a reference implementation and per-platform ones (SGLang's CustomOp): `forward` runs the
+    one select_forward chose, the reference until then. A platform's forward must give the reference's
+    result (the same rounding), and falls back to it for inputs its kernel does not take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.native_cpu = False  # forward_cpu (the CPU's kernels) instead of forward_native
+
+    def forward(self, *args, **kwargs):
+        return self.forward_cpu(*args, **kwargs) if self.native_cpu else self.forward_native(*args, **kwargs)
+
+    def forward_native(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def forward_cpu(self, *args, **kwargs):
+        return self.forward_native(*args, **kwargs)
+
+    def select_forward(self, native_cpu: bool) -> None:
+        """`native_cpu`: the CPU's kernels serve this engine (a CPU device, kernels built, a dtype they take)."""
+        self.native_cpu = native_cpu
+
+
+def select_forwards(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Choose every CustomOp's forward for this engine, once, at load. Returns whether the CPU's native ones
+    were chosen."""
+    native_cpu = device.type == "cpu" and dtype in NATIVE_DTYPES and cpu_kernels() is not None
+    for module in model.modules():
+        if isinstance(module, CustomOp):
+            module.select_forward(native_cpu)
+    return native_cpu
+
+
+class RMSNorm(CustomOp):
     """Computed in float32 and cast back before the weight, exactly as the HF reference does.
 
     Given the residual stream too, adds x to it first and returns (normed, new residual): the
@@ -27,13 +64,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             x = residual = residual + x
         # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call (one op instead of five per norm).
         h = F.rms_norm(x.to(torch.float32), (x.shape[-1],), eps=self.eps)
         out = self.weight * h.to(x.dtype)
         return out if residual is None else (out, residual)
+
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """One pass (the residual add updates `residual` in place), the reference's rounding."""
+        if x.dim() == 2 and x.stride(-1) == 1 and self.weight.dtype == x.dtype \
+                and (residual is None or (residual.dtype == x.dtype and residual.stride(-1) == 1)):
+            out = cpu_kernels().rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, residual)
+        return self.forward_native(x, residual)
 
 
 def rope_inv_freq(head_dim: int, rope_parameters: dict) -> torch.Tensor:
@@ -64,8 +109,9 @@ def rope_inv_freq(head_dim: int, rope_parameters: dict) -> torch.Tensor:
     return inv_freq
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style (rotate-half) rotary embedding with a cos/sin table for every position."""
+class RotaryEmbedding(CustomOp):
+    """Neox-style (rotate-half) rotary embedding with a cos/sin table for every position: `rotary(positions, x)`
+    rotates x, (tokens, heads, head_dim), queries and keys alike (they may come as one tensor)."""
 
     def __init__(self, head_dim: int, max_positions: int, rope_parameters: dict) -> None:
         super().__init__()
@@ -85,16 +131,19 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: (tokens, heads, head_dim); k: (tokens, kv_heads, head_dim)
-        return self.rotate(positions, q), self.rotate(positions, k)
-
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x * cos + rotate_half(x) * sin for x: (tokens, heads, head_dim) (queries and keys may come as
-        one tensor), with rotate_half(x) * sin = roll(x, half) * [-sin, sin], the sign in the table: the
-        same products as the reference's, in two fewer ops. (A CPU engine rotates in place natively.)"""
+    def forward_native(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, half) * [-sin, sin], the sign in
+        the table: the same products as the reference's, in two fewer ops."""
         cos, signed_sin = self._cos_sin(positions, x.dtype)
         return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+    def forward_cpu(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x rotated in place, the reference's rounding."""
+        if x.stride(-1) == 1 and self.cos.dtype == torch.float32 and positions.dtype == torch.long \
+                and positions.is_contiguous():
+            cpu_kernels().rotary_embedding(x, positions, self.cos, self.sin)
+            return x
+        return self.forward_native(positions, x)
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer shares this module and the step's positions: look them up once per forward."""
@@ -112,10 +161,29 @@ class RotaryEmbedding(nn.Module):
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
-def get_activation(name: str):
-    if name not in ACTIVATIONS:
-        raise UnsupportedModelError(f"hidden_act {name!r} is not supported (supported: {', '.join(ACTIVATIONS)}).")
-    return ACTIVATIONS[name]
+class ActAndMul(CustomOp):
+    """act(gate) * up of a [gate | up] product (rows, 2 * width) -> (rows, width): the gated MLP's activation.
+    SiLU has a CPU kernel (one pass over the product)."""
+
+    def __init__(self, hidden_act: str) -> None:
+        super().__init__()
+        if hidden_act not in ACTIVATIONS:
+            raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported (supported: "
+                                        f"{', '.join(ACTIVATIONS)}).")
+        self.hidden_act = hidden_act
+        self.act = ACTIVATIONS[hidden_act]
+
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
+
+    def forward_cpu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.hidden_act == "silu" and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            return cpu_kernels().silu_and_mul(gate_up)
+        return self.forward_native(gate_up)
+
+    def extra_repr(self) -> str:
+        return self.hidden_act
 
 
 def vocab_parallel_embed(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -12,20 +13,34 @@ from tqdm.auto import tqdm
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.sharding import ShardLayout
 from pagedllm.model_executor.cpu_ops import install_cpu_ops
-from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
+from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, select_forwards
 from pagedllm.model_executor.meta import on_meta_device
 from pagedllm.model_executor.model_files import weight_files
 from pagedllm.model_executor.models.registry import get_model_class
-from pagedllm.model_executor.offload import HostLayer, offload_layers, offloaded_layer_indices
+from pagedllm.model_executor.offload import HostLayer, LayerOffloader, offload_layers, offloaded_layer_indices
 from pagedllm.model_executor.quantization import quantize_model
 
 logger = logging.getLogger(__name__)
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    """Construct the model on `device` in the configured dtype, then load (or invent) its weights.
-    Layers --cpu-offload-gb keeps in host memory are built there directly: the device never holds
-    them all at once."""
+@dataclass
+class LoadedModel:
+    """What load_model made: the model, with each layer's implementation chosen for this device, and how its
+    weights are held."""
+
+    model: nn.Module
+    offloader: LayerOffloader | None  # the layers --cpu-offload-gb keeps in host memory (None: none)
+    packed_weight_bytes: int  # weights held in a CPU packed layout by their layers' methods, not as parameters
+
+    @property
+    def offloads(self) -> list[HostLayer]:
+        return [] if self.offloader is None else self.offloader.hosts
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
+    """Construct the model on `device` in the configured dtype, then load (or invent) its weights, and choose
+    each layer's implementation for the device. Layers --cpu-offload-gb keeps in host memory are built there
+    directly: the device never holds them all at once."""
     _, model_cls = get_model_class(model_config.hf_config)
     model_cls.verify_config(model_config.hf_config, model_config.max_model_len)
     prev_dtype = torch.get_default_dtype()
@@ -49,8 +64,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
     else:
         _load_safetensors(model, model_config)
     model.eval()
-    _place_weights(model, model_config, device, build_device, hosts)
-    return model
+    return _place_weights(model, model_config, device, build_device, hosts)
 
 
 def _materialize(model: nn.Module, device: torch.device, offload_bytes: int) -> dict[int, HostLayer]:
@@ -69,8 +83,9 @@ def _materialize(model: nn.Module, device: torch.device, offload_bytes: int) -> 
 
 
 def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.device,
-                   build_device: torch.device, hosts: dict[int, HostLayer]) -> None:
-    """Quantize, keep the offloaded layers in host memory, move the rest to `device`; on CPU, pack."""
+                   build_device: torch.device, hosts: dict[int, HostLayer]) -> LoadedModel:
+    """Quantize, keep the offloaded layers in host memory, move the rest to `device`; choose the layers'
+    implementations (on CPU: native ops, packed weights)."""
     if model_config.quantization is not None:
         quantize_model(model, model_config.quantization)
     layers = model.decoder_layers()
@@ -78,13 +93,12 @@ def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.de
         hosts = {i: HostLayer.build(layers[i]) for i in offloaded_layer_indices(layers, model_config.cpu_offload_bytes)}
         kept = {id(p) for host in hosts.values() for p, _ in host.host}
         _move_to(model, device, kept)
-    model.layer_offloader = offload_layers(layers, model_config.cpu_offload_bytes, device, hosts)
-    model.layer_offloads = [] if model.layer_offloader is None else model.layer_offloader.hosts
-    # The CPU's native ops, once. Quantized layers are Int8Linear, not nn.Linear: packing leaves their int8
-    # weights alone. The offload hooks swap plain parameters, so with offloaded layers (CPU tests) nothing
-    # is packed.
-    if device.type == "cpu":
-        model.packed_weight_bytes = install_cpu_ops(model, pack=not model.layer_offloads)
+    offloader = offload_layers(layers, model_config.cpu_offload_bytes, device, hosts)
+    # Each op's forward and each Linear's method, once. Quantized layers keep their int8 method: packing leaves
+    # them alone. The offload hooks swap plain parameters, so with offloaded layers (CPU tests) nothing is packed.
+    native_cpu = select_forwards(model, device, model_config.dtype)
+    packed = install_cpu_ops(model, native_cpu, pack=offloader is None) if device.type == "cpu" else 0
+    return LoadedModel(model, offloader, packed)
 
 
 def _move_to(model: nn.Module, device: torch.device, kept: set[int]) -> None:
@@ -140,8 +154,7 @@ def _read_shard(handle, name: str, shards: ShardLayout) -> torch.Tensor:
 
 def _load_safetensors(model: nn.Module, model_config: ModelConfig) -> None:
     with torch.no_grad():
-        ignored = getattr(model, "ignored_weight_names", frozenset())
-        loaded = model.load_weights(_iter_safetensors(model_config, ignored))
+        loaded = model.load_weights(_iter_safetensors(model_config, model.ignored_weight_names))
     missing = model.expected_weight_names() - loaded
     if missing:
         raise ValueError(

@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, graph_batch_sizes
 from pagedllm.distributed.parallel_state import tp_group
 from pagedllm.distributed.sharding import ShardLayout
-from pagedllm.engine.step_input import StepInput
+from pagedllm.step_input import StepInput
 from pagedllm.memory.profiler import measure_peak_bytes
 from pagedllm.model_executor.attention import (
     AttentionShape,
@@ -31,7 +31,6 @@ from pagedllm.model_executor.cuda_graphs import (
     CudaGraphCapture,
     DecodeGraphs,
     EagerReplay,
-    graph_batch_sizes,
 )
 from pagedllm.model_executor.kv_quant import is_fp8
 from pagedllm.model_executor.loader import load_model
@@ -107,7 +106,8 @@ class ModelRunner:
         self.attn_backend = select_attention_backend(config.attention_backend, AttentionShape(
             self.device, self.shards.heads, self.shards.kv_heads, m.head_dim, m.dtype, config.kv_cache_dtype),
             config.batch_invariant)
-        self.model = load_model(config.model, self.device)
+        self.loaded = load_model(config.model, self.device)
+        self.model = self.loaded.model
         if config.batch_invariant:
             make_linears_batch_invariant(self.model)
         s = config.scheduler
@@ -116,7 +116,7 @@ class ModelRunner:
                                            self.device)
         self.sampler = Sampler(self.device, config.model.seed, s.max_num_seqs)
         # Multi-codebook audio models: frames in and out (audio_runner); None for text models.
-        self.audio_spec = getattr(self.model, "audio_spec", None)
+        self.audio_spec = self.model.audio_spec
         # The step's token ids (and a graphed audio decode's frames) in persistent device buffers.
         inputs = {"input_ids": (max_tokens, torch.long)}
         if self.audio_spec is not None:
@@ -138,7 +138,7 @@ class ModelRunner:
             return "--enforce-eager"
         if not self.attn_backend.supports_graphs:
             return f"the {self.attn_backend.name} attention backend builds its inputs on the host each step"
-        if self.model.layer_offloads:
+        if self.loaded.offloads:
             return "--cpu-offload-gb copies layers in on a side stream"
         return None
 
@@ -212,16 +212,10 @@ class ModelRunner:
         return RunnerFacts(str(self.device), self.weight_bytes, self.offloaded_weight_bytes, self.offload_slot_bytes,
                            graphs.sizes if graphs is not None else (), self.audio_spec)
 
-    def set_max_model_len(self, max_model_len: int) -> None:
-        """The context length the memory plan settled on (max_model_len auto)."""
-        c = self.config
-        self.config = replace(c, model=replace(c.model, max_model_len=max_model_len),
-                              scheduler=replace(c.scheduler, max_model_len=max_model_len))
-
     @property
     def weight_bytes(self) -> int:
         """Bytes of all weights: parameters (shared ones once) plus those packed for the CPU kernels or oneDNN."""
-        seen, total = set(), getattr(self.model, "packed_weight_bytes", 0)
+        seen, total = set(), self.loaded.packed_weight_bytes
         for p in self.model.parameters():
             if p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
@@ -231,18 +225,21 @@ class ModelRunner:
     @property
     def offloaded_weight_bytes(self) -> int:
         """The part of weight_bytes kept in host memory by --cpu-offload-gb."""
-        return sum(offload.num_bytes for offload in self.model.layer_offloads)
+        return sum(offload.num_bytes for offload in self.loaded.offloads)
 
     @property
     def offload_slot_bytes(self) -> int:
         """Device memory the offloaded layers pass through (--cpu-offload-gb)."""
-        offloader = getattr(self.model, "layer_offloader", None)
+        offloader = self.loaded.offloader
         return 0 if offloader is None else offloader.slot_bytes
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, config: EngineConfig | None = None) -> None:
         """One tensor for every layer's K and V (kv_cache_shape); each attention layer gets views of its slice.
         With CUDA graphs, one block more: the null block padded rows write to (the block manager's pool is
-        blocks 0 .. num_blocks - 1)."""
+        blocks 0 .. num_blocks - 1). `config`: the engine's, as the memory plan settled it (max_model_len auto),
+        which this runner runs with from now on; None keeps the one it was built with (the profile run's)."""
+        if config is not None:
+            self.config = replace(config, device=self.config.device)  # a worker keeps its rank's device
         m = self.config.model
         self.null_block = num_blocks if self.graphs is not None else None
         total = num_blocks + (self.graphs is not None)
@@ -369,7 +366,7 @@ class ModelRunner:
         if self.tp.size == 1:
             return self.model.compute_logits(hidden, vocab_major=True) if vocab_major else \
                 self.model.compute_logits(hidden)
-        if not getattr(self.model, "logits_split_by_vocab", True):  # a replicated head: rank 0's are whole
+        if not self.model.logits_split_by_vocab:  # a replicated head: rank 0's are whole
             logits = self.model.compute_logits(hidden)
             return logits if self.tp.is_driver else None
         logits = self.tp.gather_last_dim(self.model.compute_logits(hidden))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.config import QUANTIZATION_METHODS
+from pagedllm.model_executor.linear import Linear, LinearMethod
 
 INT8_MAX = 127
 # torch._weight_int8pack_mm (CPU) is a row-by-row kernel. At the Qwen2.5-0.5B shapes on this
@@ -56,50 +57,48 @@ def quantize_int8(weight: torch.Tensor, scale_dtype: torch.dtype,
     return q.to(torch.int8), scale
 
 
-class Int8Linear(nn.Module):
-    """A Linear whose weight is int8 with per-output-channel scales; computes in the input's dtype.
+class Int8LinearMethod(LinearMethod):
+    """A Linear whose weight is int8 (out, in) with per-output-channel scales (`weight_scale`, (out,)); computes in
+    the input's dtype."""
 
-    Not an nn.Linear subclass on purpose: code that handles nn.Linear weights (the loader's oneDNN
-    packing) must not take these for 16-bit weights.
-    """
+    name = "int8"
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight = nn.Parameter(weight, requires_grad=False)  # (out, in) int8
-        self.weight_scale = nn.Parameter(scale, requires_grad=False)  # (out,)
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+    def apply(self, layer, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, layer.in_features)
+        out = self._int8pack(layer, x2d) if self._int8pack_applies(layer, x2d) else self._generic(layer, x2d)
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.reshape(*x.shape[:-1], layer.out_features)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, row_absmax=None) -> Int8Linear:
-        q, scale = quantize_int8(linear.weight, linear.weight.dtype, row_absmax)
-        return cls(q, scale, linear.bias)
+    @staticmethod
+    def _int8pack_applies(layer, x2d: torch.Tensor) -> bool:
+        return (x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 == layer.weight_scale.dtype
+                and x2d.shape[0] <= INT8PACK_MAX_ROWS and layer.in_features % INT8PACK_K_MULTIPLE == 0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, self.in_features)
-        out = self._int8pack(x2d) if self._int8pack_applies(x2d) else self._generic(x2d)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
-
-    def _int8pack_applies(self, x2d: torch.Tensor) -> bool:
-        return (x2d.device.type == "cpu" and x2d.dtype == torch.bfloat16 == self.weight_scale.dtype
-                and x2d.shape[0] <= INT8PACK_MAX_ROWS and self.in_features % INT8PACK_K_MULTIPLE == 0)
-
-    def _int8pack(self, x2d: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _int8pack(layer, x2d: torch.Tensor) -> torch.Tensor:
         """CPU bf16 fast path: the int8 weight is read as is, never widened in memory."""
-        return torch._weight_int8pack_mm(x2d.contiguous(), self.weight, self.weight_scale)
+        return torch._weight_int8pack_mm(x2d.contiguous(), layer.weight, layer.weight_scale)
 
-    def _generic(self, x2d: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _generic(layer, x2d: torch.Tensor) -> torch.Tensor:
         """Any device and dtype: widen the int8 weight (exact in 16 bits), multiply, then scale."""
-        return F.linear(x2d, self.weight.to(x2d.dtype)) * self.weight_scale.to(x2d.dtype)
+        return F.linear(x2d, layer.weight.to(x2d.dtype)) * layer.weight_scale.to(x2d.dtype)
 
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8"
+
+INT8 = Int8LinearMethod()
+
+
+def quantize_linear(layer: Linear, row_absmax=None) -> None:
+    """Replace `layer`'s weight by its int8 form and scales, and its method by INT8."""
+    q, scale = quantize_int8(layer.weight, layer.weight.dtype, row_absmax)
+    layer.weight = nn.Parameter(q, requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+    layer.method = INT8
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
-    """Swap every nn.Linear inside the decoder layers for its quantized form. Returns how many. Under tensor
+    """Quantize every Linear inside the decoder layers. Returns how many. Under tensor
     parallelism a row-parallel Linear (o_proj, down_proj) holds some columns of each row: its ranks agree on
     the whole row's absmax (one all-reduce), so the scales are those of one device."""
     from pagedllm.distributed.parallel_state import tp_group
@@ -110,10 +109,9 @@ def quantize_model(model: nn.Module, method: str) -> int:
     tp = tp_group()
     count = 0
     for layer in model.decoder_layers():
-        for parent in list(layer.modules()):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
-                    shared = tp.max_over_ranks if name in ROW_PARALLEL and tp.size > 1 else None
-                    setattr(parent, name, Int8Linear.from_linear(child, shared))
-                    count += 1
+        for name, child in layer.named_modules():
+            if isinstance(child, Linear):
+                shared = tp.max_over_ranks if name.rsplit(".", 1)[-1] in ROW_PARALLEL and tp.size > 1 else None
+                quantize_linear(child, shared)
+                count += 1
     return count

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pagedllm.engine.step_input import Frame, NewRequestData, TokenSequence, frames_between
+from pagedllm.step_input import Frame, NewRequestData, TokenSequence, frames_between
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

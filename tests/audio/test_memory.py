@@ -19,7 +19,7 @@ from pagedllm.audio.tokenizer import (
 )
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.cli import main
-from pagedllm.memory.dry_run import dry_run_plan
+from pagedllm.entrypoints.plan import dry_run_plan
 from pagedllm.memory.plan import fmt_bytes
 
 # The seed's machine (a DGX Spark): 128 GB of unified memory, --gpu-memory-utilization 0.8, 2048 tokens.

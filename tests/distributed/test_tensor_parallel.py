@@ -106,7 +106,7 @@ def test_the_per_rank_plan_is_what_each_rank_allocates_and_workers_end_with_thei
     """`plan --tensor-parallel-size 2` counts one rank's KV heads (1 of the 2): with the same KV budget, twice
     the blocks of one rank; the engine allocates that many on every rank. Then shutdown ends the worker."""
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.memory.dry_run import dry_run_plan
+    from pagedllm.entrypoints.plan import dry_run_plan
 
     path, budget = str(tiny_models["llama"]), "96KiB"
     planned = dry_run_plan(EngineArgs(model=path, kv_cache_memory=budget, **ENGINE), device="cpu",

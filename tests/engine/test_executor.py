@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pagedllm.engine as engine_package
 from pagedllm import LLM, SamplingParams
-from pagedllm.engine.step_input import StepInput
+from pagedllm.step_input import StepInput
 from pagedllm.executor import Executor
 from pagedllm.model_executor.model_runner import ModelRunner
 from tests.sampling_features import ENGINE_FEATURES, run_features

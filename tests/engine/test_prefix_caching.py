@@ -278,10 +278,8 @@ def test_pool_touch_and_cache_block_refuse_misuse() -> None:
 # --------------------------------------------------------------------------------------------
 # Through the scheduler, with a simulated KV cache: each slot holds the token whose K/V it stores
 # --------------------------------------------------------------------------------------------
-def make_scheduler(num_blocks: int, max_num_batched_tokens: int = 64, max_num_seqs: int = 8,
-                   max_model_len: int = 128) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len)
+def make_scheduler(num_blocks: int, max_num_batched_tokens: int = 64, max_num_seqs: int = 8) -> Scheduler:
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     return Scheduler(cfg, KVCacheManager(num_blocks, BS))
 
 
@@ -359,7 +357,7 @@ def test_random_shared_prefix_workload_reads_only_right_kv(seed: int) -> None:
     """Requests from a few prompt families (shared prefixes, salts, n > 1, repeats) in a tight
     pool with preemption: every step every request attends to its own tokens, nothing leaks."""
     rng = random.Random(seed)
-    sched, slots = make_scheduler(24, max_num_batched_tokens=rng.choice([8, 16, 40]), max_model_len=64), {}
+    sched, slots = make_scheduler(24, max_num_batched_tokens=rng.choice([8, 16, 40])), {}
     families = [[rng.randrange(500) for _ in range(rng.randint(4, 30))] for _ in range(3)]
     families.append([1, 2, 3, 4] * 7)  # equal blocks at different positions: only the chain tells them apart
     reqs = []

@@ -8,10 +8,10 @@ import inspect
 import pickle
 
 import pagedllm.engine.request as request_module
-import pagedllm.engine.step_input as step_input_module
+import pagedllm.step_input as step_input_module
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.request import Request
-from pagedllm.engine.step_input import NewRequestData, ScheduledTokens, StepInput
+from pagedllm.step_input import NewRequestData, ScheduledTokens, StepInput
 
 
 def _imports(module) -> set[str]:

@@ -29,12 +29,10 @@ def make_request(rid: str, prompt_len: int, max_model_len: int = 1024, eos: set[
 
 
 def make_scheduler(num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
-                   max_num_batched_tokens: int = 2048, max_model_len: int = 1024,
-                   enable_caching: bool = False) -> Scheduler:
+                   max_num_batched_tokens: int = 2048, enable_caching: bool = False) -> Scheduler:
     """Prefix caching is off unless asked for: most tests count the tokens each step computes, and
     the prompts here share prefixes (100, 101, ...), so cache hits would change those counts."""
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=max_model_len)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, enable_caching=enable_caching))
 
 
@@ -346,7 +344,7 @@ def test_no_deadlock_with_pool_for_one_max_length_sequence(seed: int, enable_cac
     max_model_len, block_size = 64, 4
     num_blocks = max_model_len // block_size  # exactly one full-length sequence fits
     sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_seqs=4,
-                           max_num_batched_tokens=24, max_model_len=max_model_len, enable_caching=enable_caching)
+                           max_num_batched_tokens=24, enable_caching=enable_caching)
     rng = random.Random(seed)
     reqs = [make_request(f"r{i}", rng.randint(1, 50), max_model_len=max_model_len, max_tokens=None)
             for i in range(8)]
@@ -366,7 +364,7 @@ def test_no_deadlock_with_pool_for_one_max_length_sequence(seed: int, enable_cac
 def test_random_workload_many_preemptions_integrity(enable_caching: bool) -> None:
     rng = random.Random(7)
     sched = make_scheduler(num_blocks=20, block_size=4, max_num_seqs=6, max_num_batched_tokens=20,
-                           max_model_len=80, enable_caching=enable_caching)
+                           enable_caching=enable_caching)
     reqs = []
     steps = 0
     for i in range(30):
@@ -407,7 +405,7 @@ def test_max_tokens_finishes_with_length() -> None:
 
 
 def test_max_model_len_caps_output() -> None:
-    sched = make_scheduler(num_blocks=32, max_model_len=12)
+    sched = make_scheduler(num_blocks=32)
     r = make_request("r", 10, max_model_len=12, max_tokens=16)
     assert r.max_output_tokens == 2
     sched.add_request(r)

@@ -25,7 +25,7 @@ def make_request(rid: str, prompt_len: int, priority: int = 0, first: int = 100,
 def make_scheduler(num_blocks: int, num_swap_blocks: int, mode: str | None = None, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 64, enable_caching: bool = False) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                          max_model_len=1024, preemption_mode=mode)
+                          preemption_mode=mode)
     kv = KVCacheManager(num_blocks, BS, enable_caching=enable_caching, num_swap_blocks=num_swap_blocks)
     return Scheduler(cfg, kv)
 

@@ -16,7 +16,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.cli import main
 from pagedllm.memory import device as device_mod
 from pagedllm.memory import nvml
-from pagedllm.memory.dry_run import dry_run_plan
+from pagedllm.entrypoints.plan import dry_run_plan
 from pagedllm.memory.plan import DROP_CACHES, GiB, MiB, kv_allocation_failure
 
 TOTAL = int(119.7 * GiB) // 1024 * 1024  # /proc/meminfo counts kB

@@ -9,7 +9,7 @@ import torch
 
 from pagedllm import LLM, KVCacheMemoryError, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.memory.dry_run import dry_run_plan
+from pagedllm.entrypoints.plan import dry_run_plan
 from pagedllm.memory.model_size import weight_bytes_from_headers
 from pagedllm.model_executor.model_files import load_hf_config, weight_files
 
@@ -85,7 +85,7 @@ def test_auto_max_model_len_with_kv_cache_memory(tiny_models):
     assert plan.settings.max_model_len is None
     assert plan.max_model_len_fit == 96  # 6 whole blocks of 16 tokens
     assert llm.llm_engine.config.model.max_model_len == 96 == plan.max_model_len
-    assert llm.llm_engine.config.scheduler.max_model_len == 96
+    assert llm.llm_engine.executor.driver.config.model.max_model_len == 96  # the runner runs with the planned one
     assert llm.llm_engine.kv_cache.pool.num_blocks == 6
     # It serves requests up to that length.
     out = llm.generate({"prompt_token_ids": list(range(5, 85))},
@@ -122,7 +122,7 @@ def test_failed_kv_cache_allocation_is_a_kv_cache_memory_error(tiny_models, monk
     """Memory taken between the plan and the allocation: a KVCacheMemoryError that says so, not a raw OOM."""
     from pagedllm.model_executor.model_runner import ModelRunner
 
-    def no_memory(self, num_blocks):
+    def no_memory(self, num_blocks, config=None):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore details")
     from dataclasses import replace
 

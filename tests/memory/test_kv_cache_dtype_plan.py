@@ -11,7 +11,7 @@ import torch
 from pagedllm import LLM
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.cli import build_parser, engine_args_from, main
-from pagedllm.memory.dry_run import dry_run_plan
+from pagedllm.entrypoints.plan import dry_run_plan
 from pagedllm.model_executor.model_files import load_hf_config
 
 CACHE_DTYPES = {"auto": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn,

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from pagedllm import KVCacheMemoryError
-from pagedllm.engine.arg_utils import EngineArgs, parse_size
-from pagedllm.memory.dry_run import dry_run_plan
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.utils import parse_size
+from pagedllm.entrypoints.plan import dry_run_plan
 from pagedllm.memory.model_size import (
     kv_bytes_per_token,
     num_params_from_config,
@@ -535,7 +536,7 @@ def test_worker_processes_are_a_line_of_the_plan_where_they_share_its_memory():
     offline = dry_run_plan(EngineArgs(model="qwen2.5-0.5b", max_model_len=4096), device="cpu", device_memory="20GiB")
     assert offline.worker_bytes == 0 and "worker processes" not in offline.table()  # compiles in its own process
     assert offline.kv_budget_bytes - cpu.kv_budget_bytes == compile_bytes
-    both = dry_run_plan(EngineArgs(**served, request_template_worker=True, structured_outputs_compile_memory="512MiB"),
+    both = dry_run_plan(EngineArgs(**served, trust_request_chat_template=True, structured_outputs_compile_memory="512MiB"),
                         device="cpu", device_memory="20GiB")
     assert both.worker_bytes == (GRAMMAR_WORKER_START_BYTES + (512 << 20) + TEMPLATE_WORKER_START_BYTES
                                  + TEMPLATE_WORKER_MEMORY_BYTES)

@@ -22,7 +22,7 @@ from pagedllm.model_executor.attention import (
 from pagedllm.model_executor.attention import cpu_backend as cpu_backend_module
 from pagedllm.model_executor.attention.cpu_backend import CpuAttentionBackend
 from pagedllm.model_executor.cpu_isa import available_cpu_isas, expected_cpu_isas
-from pagedllm.model_executor.cpu_kernels import cpu_kernels
+from pagedllm.model_executor.cpu_isa import cpu_kernels
 from pagedllm.utils import cdiv
 
 CPU = torch.device("cpu")
@@ -232,8 +232,7 @@ def _same(ours: torch.Tensor, twin: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_with_and_without_the_residual_add(dtype):
-    """cpu_ops' native forward against the module's own (the PyTorch reference)."""
-    from pagedllm.model_executor.cpu_ops import _native_rms_norm
+    """The norm's CPU forward against its reference one."""
     from pagedllm.model_executor.layers import RMSNorm
 
     gen = torch.Generator().manual_seed(3)
@@ -241,11 +240,11 @@ def test_rms_norm_with_and_without_the_residual_add(dtype):
     norm.weight.data.copy_(torch.rand(96, generator=gen) + 0.5)
     x, residual = (torch.randn(37, 96, generator=gen).mul(4).to(dtype) for _ in range(2))
     with torch.inference_mode():
-        ours = _native_rms_norm(norm, x)
+        ours = norm.forward_cpu(x)
         stream = residual.clone()
-        ours_fused, ours_stream = _native_rms_norm(norm, x, stream)
-        twin = norm(x)
-        twin_fused, twin_stream = norm(x, residual.clone())
+        ours_fused, ours_stream = norm.forward_cpu(x, stream)
+        twin = norm.forward_native(x)
+        twin_fused, twin_stream = norm.forward_native(x, residual.clone())
     reference = norm.weight * torch.nn.functional.rms_norm(x.float(), (96,), eps=1e-5).to(dtype)
     _same(ours, twin)
     _same(ours, reference)
@@ -266,7 +265,6 @@ def test_silu_and_mul_is_silu_gate_times_up(dtype, width):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_in_place_on_a_strided_view_of_qkv(dtype):
-    from pagedllm.model_executor.cpu_ops import _native_rotate
     from pagedllm.model_executor.layers import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(5)
@@ -274,10 +272,10 @@ def test_rotary_in_place_on_a_strided_view_of_qkv(dtype):
     tokens, heads, kv_heads = 11, 6, 2
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * 64, generator=gen).to(dtype)
     positions = torch.randint(0, 300, (tokens,), generator=gen)
-    twin = rotary.rotate(positions, qkv[:, :(heads + kv_heads) * 64].view(tokens, heads + kv_heads, 64).clone())
+    twin = rotary.forward_native(positions, qkv[:, :(heads + kv_heads) * 64].view(tokens, heads + kv_heads, 64).clone())
     before_v = qkv[:, (heads + kv_heads) * 64:].clone()
     view = qkv[:, :(heads + kv_heads) * 64].view(tokens, heads + kv_heads, 64)
-    ours = _native_rotate(rotary, positions, view)
+    ours = rotary.forward_cpu(positions, view)
     assert ours.data_ptr() == view.data_ptr()  # rotated in place, inside the qkv buffer
     _same(ours, twin)
     assert torch.equal(qkv[:, (heads + kv_heads) * 64:], before_v)  # values untouched
@@ -458,35 +456,31 @@ def test_packed_silu_mul_is_silu_and_mul_of_the_product(rows, kernel_path):
 
 
 def test_cpu_engines_get_the_native_ops_once_at_load(tiny_models):
-    """The op table is chosen at load: a CPU engine's norms, rotary embedding, MLPs and LM head run the
-    native forwards (bound to the instances); the model classes keep the PyTorch reference, and with the
-    kernels unavailable nothing is re-bound."""
+    """The op table is chosen at load: a CPU engine's norms, rotary embedding and SiLU-and-multiply run their
+    CPU forwards, its LM head may answer vocab-major; a module made outside an engine runs the reference."""
     from pagedllm import LLM
     from pagedllm.model_executor import cpu_ops
-    from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding
-    from pagedllm.model_executor.models.llama import LlamaMLP
+    from pagedllm.model_executor.layers import ActAndMul, CustomOp, RMSNorm, RotaryEmbedding
 
     model = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64).llm_engine.executor.driver.model
-    bound = {type(m): m for m in model.modules() if type(m) in (RMSNorm, RotaryEmbedding, LlamaMLP)}
-    assert bound[RMSNorm].forward.__func__ is cpu_ops._native_rms_norm
-    assert bound[RotaryEmbedding].rotate.__func__ is cpu_ops._native_rotate
-    assert bound[LlamaMLP].forward.__func__ is cpu_ops._native_mlp
-    assert model.compute_logits.__func__ is cpu_ops._cpu_compute_logits
-    fresh = RMSNorm(8)
-    assert fresh.forward.__func__ is RMSNorm.forward  # the class: the reference
+    ops = [m for m in model.modules() if isinstance(m, CustomOp)]
+    assert {type(m) for m in ops} == {RMSNorm, RotaryEmbedding, ActAndMul}
+    assert all(m.native_cpu for m in ops)
+    assert isinstance(model.lm_head.method, cpu_ops.CpuLinear) and model.lm_head.method.vocab_major
+    assert RMSNorm(8).native_cpu is False  # outside an engine: the reference
 
 
 def test_no_native_ops_under_cpu_isa_none(tiny_models, monkeypatch):
     """PAGEDLLM_CPU_ISA=none: no native kernel anywhere (the PyTorch reference ops, the torch attention backend),
     and the cpu backend refused by that name."""
     from pagedllm import LLM, SamplingParams
-    from pagedllm.model_executor.layers import RMSNorm
+    from pagedllm.model_executor.layers import CustomOp
 
     monkeypatch.setenv("PAGEDLLM_CPU_ISA", "none")
     llm = LLM(str(tiny_models["qwen3"]), dtype="bfloat16", max_model_len=64)
     runner = llm.llm_engine.executor.driver
     assert runner.attn_backend.name == "torch"
-    assert all(m.forward.__func__ is RMSNorm.forward for m in runner.model.modules() if type(m) is RMSNorm)
+    assert not any(m.native_cpu for m in runner.model.modules() if isinstance(m, CustomOp))
     assert "PAGEDLLM_CPU_ISA=none" in unsupported_reason("cpu", _shape())
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)[0]
@@ -495,13 +489,15 @@ def test_no_native_ops_under_cpu_isa_none(tiny_models, monkeypatch):
 
 def test_no_native_ops_without_the_kernels(tiny_models, monkeypatch):
     from pagedllm import LLM
-    from pagedllm.model_executor import cpu_ops
-    from pagedllm.model_executor.layers import RMSNorm
+    from pagedllm.model_executor import cpu_ops, layers
+    from pagedllm.model_executor.layers import CustomOp
 
     monkeypatch.setattr(cpu_ops, "cpu_kernels", lambda: None)
+    monkeypatch.setattr(layers, "cpu_kernels", lambda: None)
     model = LLM(str(tiny_models["qwen3"]), dtype="float32", max_model_len=64,
                 attention_backend="torch").llm_engine.executor.driver.model
-    assert all(m.forward.__func__ is RMSNorm.forward for m in model.modules() if type(m) is RMSNorm)
+    assert not any(m.native_cpu for m in model.modules() if isinstance(m, CustomOp))
+    assert model.lm_head.method.name == "plain"
 
 
 def test_the_kernel_cache_name_is_keyed_by_the_cpu_the_torch_build_and_the_source(monkeypatch):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.model_executor.cuda_graphs import DecodeGraphs, EagerReplay, graph_batch_sizes
+from pagedllm.config import graph_batch_sizes
+from pagedllm.model_executor.cuda_graphs import DecodeGraphs, EagerReplay
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="set by tests/conftest.py wherever there is no GPU")

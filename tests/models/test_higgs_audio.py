@@ -61,7 +61,7 @@ def our_model(tiny_higgs) -> HiggsAudioV2ForConditionalGeneration:
 
 def _load(model: str, **kwargs) -> HiggsAudioV2ForConditionalGeneration:
     config = EngineArgs(model=model, dtype="float32", device="cpu", max_model_len=256, **kwargs).create_engine_config()
-    return load_model(config.model, torch.device("cpu"))
+    return load_model(config.model, torch.device("cpu")).model
 
 
 @dataclass

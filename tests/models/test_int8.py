@@ -7,17 +7,18 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 from pagedllm import LLM, SamplingParams, UnsupportedModelError
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.cli import main
-from pagedllm.memory.dry_run import dry_run_plan
+from pagedllm.entrypoints.plan import dry_run_plan
 from pagedllm.memory.model_size import weight_bytes_from_config
+from pagedllm.model_executor.linear import Linear
 from pagedllm.model_executor.model_files import load_hf_config
 from pagedllm.model_executor.quantization import (
     INT8PACK_MAX_ROWS,
-    Int8Linear,
+    INT8,
+    quantize_linear,
     quantize_int8,
 )
 from tests.helpers import ARCHS, make_tiny_model
@@ -53,32 +54,33 @@ def test_quantized_weight_is_within_half_a_step_of_the_original(scale_dtype):
 
 def test_int8pack_fast_path_equals_the_generic_path():
     gen = torch.Generator().manual_seed(1)
-    linear = nn.Linear(64, 40, bias=True).to(torch.bfloat16)
+    layer = Linear(64, 40, bias=True).to(torch.bfloat16)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(40, 64, generator=gen) * 0.1)
-        linear.bias.copy_(torch.randn(40, generator=gen) * 0.1)
-    layer = Int8Linear.from_linear(linear)
+        layer.weight.copy_(torch.randn(40, 64, generator=gen) * 0.1)
+        layer.bias.copy_(torch.randn(40, generator=gen) * 0.1)
+    quantize_linear(layer)
     for rows in range(1, INT8PACK_MAX_ROWS + 1):
         x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
-        assert layer._int8pack_applies(x)
-        fast, generic = layer._int8pack(x), layer._generic(x)
+        assert INT8._int8pack_applies(layer, x)
+        fast, generic = INT8._int8pack(layer, x), INT8._generic(layer, x)
         assert fast.dtype == generic.dtype == torch.bfloat16
         # Both round to bf16 once or twice; 1% of the output's scale bounds it (measured ~0.2%).
         assert (fast.float() - generic.float()).abs().max() <= 0.01 * generic.float().abs().max()
     # 3-D input, bias: forward takes the fast path at few rows and agrees with the generic one.
     x = torch.randn(2, 3, 64, generator=gen).to(torch.bfloat16)
     out = layer(x)
-    ref = layer._generic(x.reshape(6, 64)) + layer.bias
+    ref = INT8._generic(layer, x.reshape(6, 64)) + layer.bias
     assert out.shape == (2, 3, 40)
     assert (out.reshape(6, 40).float() - ref.float()).abs().max() <= 0.01 * ref.float().abs().max()
 
 
 def test_int8pack_is_only_used_where_it_is_correct_and_fast():
-    layer = Int8Linear.from_linear(nn.Linear(64, 8).to(torch.bfloat16))
-    assert not layer._int8pack_applies(torch.zeros(INT8PACK_MAX_ROWS + 1, 64, dtype=torch.bfloat16))  # prefill
-    assert not layer._int8pack_applies(torch.zeros(1, 64))  # float32: its fp32 kernel is slow
-    odd_k = Int8Linear.from_linear(nn.Linear(40, 8).to(torch.bfloat16))  # K % 16 != 0 breaks the kernel
-    assert not odd_k._int8pack_applies(torch.zeros(1, 40, dtype=torch.bfloat16))
+    layer, odd_k = Linear(64, 8).to(torch.bfloat16), Linear(40, 8).to(torch.bfloat16)  # K % 16 != 0 breaks it
+    quantize_linear(layer)
+    quantize_linear(odd_k)
+    assert not INT8._int8pack_applies(layer, torch.zeros(INT8PACK_MAX_ROWS + 1, 64, dtype=torch.bfloat16))  # prefill
+    assert not INT8._int8pack_applies(layer, torch.zeros(1, 64))  # float32: its fp32 kernel is slow
+    assert not INT8._int8pack_applies(odd_k, torch.zeros(1, 40, dtype=torch.bfloat16))
 
 
 # -- the engine --------------------------------------------------------------------------------------
@@ -91,13 +93,12 @@ def test_decoder_linears_are_int8_and_the_rest_stays_in_the_model_dtype(tiny_mod
     llm = LLM(str(tiny_models["llama"]), dtype="bfloat16", max_model_len=64, quantization="int8")
     model = llm.llm_engine.executor.driver.model
     for layer in model.decoder_layers():
-        assert not [m for m in layer.modules() if isinstance(m, nn.Linear)]
-        quantized = [m for m in layer.modules() if isinstance(m, Int8Linear)]
-        assert len(quantized) == 4  # qkv, o_proj, gate_up, down_proj
+        quantized = [m for m in layer.modules() if isinstance(m, Linear)]
+        assert len(quantized) == 4 and all(m.method is INT8 for m in quantized)  # qkv, o_proj, gate_up, down_proj
         assert all(m.weight.dtype == torch.int8 and m.weight.numel() > 0 for m in quantized)  # not packed
         assert all(m.weight_scale.dtype == torch.bfloat16 for m in quantized)
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert isinstance(model.lm_head, nn.Linear)  # the LM head stays bf16 (oneDNN-packed on CPU)
+    assert model.lm_head.method is not INT8  # the LM head stays bf16 (packed on CPU)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

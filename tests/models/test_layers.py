@@ -1,4 +1,4 @@
-"""CPU fast paths of the Linear layers give the plain PyTorch product's results."""
+"""CPU methods of the Linear layers (cpu_ops.py) give the plain PyTorch product's results."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +8,9 @@ from torch import nn
 
 from pagedllm.model_executor import cpu_ops as layers
 from pagedllm.model_executor.cpu_isa import CPU_ISAS, CpuIsaError, available_cpu_isas, cpu_isa
-from pagedllm.model_executor.cpu_kernels import cpu_kernels
+from pagedllm.model_executor.cpu_isa import cpu_kernels
 from pagedllm.model_executor.cpu_ops import pack_linear_weights
+from pagedllm.model_executor.linear import UNQUANTIZED, Embedding, GateUpLinear, Linear
 
 OWN_KERNELS = ("amx", "avx2")  # the paths whose weights cpu_kernels packs (packed_linear.cpp)
 
@@ -17,9 +18,9 @@ OWN_KERNELS = ("amx", "avx2")  # the paths whose weights cpu_kernels packs (pack
 class _TiedModel(nn.Module):
     def __init__(self, vocab: int = 300) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, 64)
-        self.proj = nn.Linear(64, 96, bias=True)
-        self.head = nn.Linear(64, vocab, bias=False)
+        self.embed = Embedding(vocab, 64)
+        self.proj = Linear(64, 96, bias=True)
+        self.head = Linear(64, vocab, bias=False)
         self.head.weight = self.embed.weight
 
 
@@ -44,10 +45,10 @@ def test_a_head_not_in_whole_blocks_keeps_its_plain_weight(rows, cpu_path):
     assert packed == (0 if cpu_path == "none" else 96 * 64 * 2)
     assert model.head.weight is model.embed.weight and model.head.weight.numel() == 300 * 64
     # No bf16 arithmetic (avx2, none): many rows of the head multiply in fp32 (upcast_linear).
-    assert hasattr(model.head, "plain_forward") == (cpu_path in ("avx2", "none"))
+    assert isinstance(model.head.method, layers.UpcastLinear) == (cpu_path in ("avx2", "none"))
     assert (model.proj.weight.numel() == 0) == (cpu_path != "none")
     if cpu_path in OWN_KERNELS:
-        assert model.proj.packed_weight.shape == (96 // 16, 32, 16, 2)
+        assert model.proj.method.packed_weight.shape == (96 // 16, 32, 16, 2)
     x = torch.randn(rows, 64).to(torch.bfloat16)
     with torch.inference_mode():
         _close(model.proj(x), x, plain_proj_w, plain_proj_b)
@@ -65,7 +66,7 @@ def test_a_tied_head_in_whole_blocks_is_packed_once_for_head_and_embedding(rows,
     expected = {"amx": (96 + 320) * 64 * 2, "avx2": (96 + 320) * 64 * 2, "avx512_bf16": 96 * 64 * 2, "none": 0}
     assert pack_linear_weights(model) == expected[cpu_path]  # the shared table counted once
     if cpu_path in OWN_KERNELS:
-        assert model.embed.packed_weight is model.head.packed_weight
+        assert model.embed.method.packed_weight is model.head.method.packed_weight
         assert model.head.weight.numel() == 0 and model.embed.weight is model.head.weight
     else:
         assert model.head.weight is model.embed.weight and model.head.weight.numel() == 320 * 64
@@ -79,20 +80,22 @@ def test_a_tied_head_in_whole_blocks_is_packed_once_for_head_and_embedding(rows,
 
 @pytest.mark.parametrize("rows", [1, 64])
 def test_gate_up_packed_for_the_fused_silu(rows, cpu_path):
-    """A Linear marked feeds_silu_and_mul: its forward is the [gate | up] product on every path; where
-    cpu_kernels pack it (amx, avx2) it gains fused_silu_and_mul, SiLU(gate) * up of that product, bit for bit."""
+    """A GateUpLinear gives SiLU(gate) * up on every path, its method's product is the [gate | up] product; where
+    cpu_kernels pack it (amx, avx2) the SiLU is computed as the product leaves the kernel: bit for bit what the
+    SiLU kernel makes of that product."""
     torch.manual_seed(0)
-    gate_up = nn.Linear(64, 2 * 48, bias=True).to(torch.bfloat16)
-    gate_up.feeds_silu_and_mul = True
+    gate_up = GateUpLinear(64, 48, bias=True, hidden_act="silu").to(torch.bfloat16)
     plain_w, plain_b = gate_up.weight.detach().clone(), gate_up.bias.detach().clone()
     assert pack_linear_weights(gate_up) == (0 if cpu_path == "none" else 96 * 64 * 2)
-    assert hasattr(gate_up, "fused_silu_and_mul") == (cpu_path in OWN_KERNELS)
+    assert isinstance(gate_up.method, layers.KernelPackedGateUp) == (cpu_path in OWN_KERNELS)
     x = torch.randn(rows, 64).to(torch.bfloat16)
     with torch.inference_mode():
-        product = gate_up(x)
+        product = gate_up.method.apply(gate_up, x)
         _close(product, x, plain_w, plain_b)
+        gate, up = F.linear(x.float(), plain_w.float(), plain_b.float()).chunk(2, dim=-1)
+        torch.testing.assert_close(gate_up(x).float(), F.silu(gate) * up, rtol=3e-2, atol=3e-2)
         if cpu_path in OWN_KERNELS:
-            assert torch.equal(gate_up.fused_silu_and_mul(x), cpu_kernels().silu_and_mul(product))
+            assert torch.equal(gate_up(x), cpu_kernels().silu_and_mul(product))
 
 
 def test_a_path_above_the_machines_is_refused(monkeypatch):
@@ -116,7 +119,7 @@ def test_a_path_above_the_machines_is_refused(monkeypatch):
 def test_float32_weights_are_left_alone():
     model = _TiedModel().eval()
     assert pack_linear_weights(model) == 0
-    assert model.proj.weight.numel() == 96 * 64 and "forward" not in vars(model.head)
+    assert model.proj.weight.numel() == 96 * 64 and model.head.method is UNQUANTIZED
 
 
 @pytest.mark.parametrize("rows", [1, 64])
@@ -149,8 +152,8 @@ def test_without_bf16_arithmetic_many_rows_multiply_in_fp32(rows, monkeypatch):
     model = _model(vocab=1100)
     upcasts, upcast_linear = [], layers.upcast_linear
     monkeypatch.setattr(layers, "upcast_linear", lambda *a: upcasts.append(a[0].shape) or upcast_linear(*a))
-    layers._use_fp32_arithmetic(model)
-    assert model.head.weight is model.embed.weight and "forward" in vars(model.proj)
+    layers._use_fp32_arithmetic(model, vocab_major=False)
+    assert model.head.weight is model.embed.weight and isinstance(model.proj.method, layers.UpcastLinear)
     x = torch.randn(2, rows, 64).to(torch.bfloat16)
     with torch.inference_mode():
         for module in (model.proj, model.head):
@@ -173,7 +176,7 @@ def test_without_bf16_arithmetic_two_to_four_rows_take_the_gemv(monkeypatch):
 
     monkeypatch.setattr(layers, "cpu_kernels", lambda: Recorder())
     model = _model(vocab=1100)
-    layers._use_fp32_arithmetic(model)
+    layers._use_fp32_arithmetic(model, vocab_major=False)
     for rows in (1, 2, 4, 5):
         x = torch.randn(rows, 64).to(torch.bfloat16)
         with torch.inference_mode():

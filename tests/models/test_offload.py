@@ -13,7 +13,7 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.memory.dry_run import dry_run_plan
+from pagedllm.entrypoints.plan import dry_run_plan
 from pagedllm.memory.model_size import layer_weight_bytes_from_config
 from pagedllm.memory.plan import ASSUMED_H2D_BYTES_PER_S, GiB
 from pagedllm.model_executor.attention import build_attention_metadata, forward_context
@@ -69,7 +69,7 @@ def test_offloaded_run_is_identical_and_keeps_the_last_layers_on_the_host(four_l
     layer_bytes = param_bytes(_engine(four_layers, 0, quantization).executor.driver.model.decoder_layers()[0])
     engine = _engine(four_layers, 3 * layer_bytes + 1, quantization)
     layers = engine.executor.driver.model.decoder_layers()
-    offloads = engine.executor.driver.model.layer_offloads
+    offloads = engine.executor.driver.loaded.offloads
     assert len(offloads) == 3 and engine.executor.driver.offloaded_weight_bytes == 3 * layer_bytes
     # Each offloaded layer's parameters are views into one flat host buffer.
     for offload in offloads:
@@ -111,8 +111,8 @@ def test_offloaded_layers_run_in_any_number_and_after_a_failed_forward(four_laye
     layer_bytes = param_bytes(_engine(four_layers, 0).executor.driver.model.decoder_layers()[0])
     for n in (1, 4):
         engine = _engine(four_layers, n * layer_bytes)
-        assert len(engine.executor.driver.model.layer_offloads) == n
-        assert len(engine.executor.driver.model.layer_offloader.slots) == min(n, 2)
+        assert len(engine.executor.driver.loaded.offloads) == n
+        assert len(engine.executor.driver.loaded.offloader.slots) == min(n, 2)
         assert _greedy(engine) == reference
 
     engine = _engine(four_layers, 3 * layer_bytes)
@@ -123,7 +123,7 @@ def test_offloaded_layers_run_in_any_number_and_after_a_failed_forward(four_laye
     with pytest.raises(RuntimeError, match="boom"), forward_context(meta), torch.inference_mode():
         engine.executor.driver.model(torch.tensor([5, 6]), meta.positions)  # layer 1 ran from its slot, then 2 raised
     hook.remove()
-    host = engine.executor.driver.model.layer_offloads
+    host = engine.executor.driver.loaded.offloads
     assert _greedy(engine) == reference
     assert all(p.data_ptr() == view.data_ptr() for h in host for p, view in h.host)  # none left on a slot
 

@@ -122,7 +122,8 @@ def test_bfloat16_logprobs_close_to_transformers_bfloat16(tmp_path, arch, overri
     own_kernels = cpu_path in ("amx", "avx2")
     mlp = model.model.layers[0].mlp
     assert (mlp.down_proj.weight.numel() == 0) == (cpu_path != "none")  # re-laid for the path's kernels
-    assert hasattr(mlp.gate_up_proj, "fused_silu_and_mul") == own_kernels
+    assert (mlp.gate_up_proj.method.name == "kernel-packed-gate-up") == own_kernels  # SiLU as the product leaves
+    assert model.model.norm.native_cpu == (cpu_path != "none")  # the norms' CPU kernels
     if own_kernels and model.config.vocab_size % 16 == 0:
         assert model.lm_head.weight.numel() == 0  # packed (tied: one copy with the embedding)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0)

@@ -263,23 +263,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                                                         **READ_ONLY})
     async def memory():
         def snapshot(e):
-            pool = e.kv_cache.pool
-            running = {r.request_id: r for r in e.scheduler.running}
-            return e.memory_plan.to_json() | {
-                "kv_cache_usage": {"block_size": e.kv_cache.block_size, "blocks_total": pool.num_blocks,
-                                   "blocks_used": pool.num_used_blocks, "blocks_free": pool.num_free_blocks,
-                                   "blocks_cached": pool.num_cached_blocks, "usage": pool.usage},
-                "requests": [{"request_id": rid, "blocks": len(table),
-                              "computed_tokens": running[rid].num_computed_tokens if rid in running else 0}
-                             for rid, table in e.kv_cache.block_tables.items()],
-                "num_waiting": len(e.scheduler.waiting),
-                "num_swapped": len(e.scheduler.swapped),
-                "swap_usage": {"blocks_total": e.num_swap_blocks, "blocks_used": e.kv_cache.num_swapped_blocks,
-                               "usage": e.kv_cache.swap_usage},
-                "num_preemptions": e.scheduler.num_preemptions,
-                "structured_output_cache_bytes":
-                    e.structured_outputs.compiler.cache_bytes if e.structured_outputs.started else 0,
-            }
+            return e.stats(with_requests=True).memory_json()
         return await engine.call(snapshot)
 
     return app
@@ -390,8 +374,8 @@ def resolve_api_key(flag: str | None) -> str | None:
 
 
 def run_server(ns: argparse.Namespace) -> int:
+    from pagedllm.engine.arg_utils import engine_args_from
     from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.entrypoints.cli import engine_args_from
     from pagedllm.entrypoints.llm import load_tokenizer
 
     refuse_unimplemented(ns)
@@ -399,7 +383,7 @@ def run_server(ns: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     chat_template = _read_chat_template(ns.chat_template)
     api_key = resolve_api_key(ns.api_key)
-    config = engine_args_from(ns).create_engine_config()  # bad settings are refused here, before any replica
+    config = engine_args_from(ns, server=True).create_engine_config()  # bad settings are refused here, before any replica
     generation_defaults = GenerationDefaults.resolve(ns.generation_config, config.model.path,
                                                      ns.override_generation_config)
     if ns.data_parallel_size != 1:
@@ -472,17 +456,17 @@ class _StopOnLostWorker:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedllm.entrypoints.cli import add_engine_args
+    from pagedllm.engine.arg_utils import add_engine_args
 
     parser = argparse.ArgumentParser(prog="python -m pagedllm.entrypoints.openai.api_server")
     parser.add_argument("--log-level", default="INFO")
-    add_engine_args(parser)
+    add_engine_args(parser, server=True)
     add_server_args(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedllm.entrypoints.cli import run_command
+    from pagedllm.entrypoints.command import run_command
 
     parser = build_parser()
     ns = parser.parse_args(argv)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from pagedllm.audio.engine import AudioLLMEngine
+from pagedllm.audio.engine import AudioTokenizerComponent
 from pagedllm.audio.memory import measured_audio_tokenizer_memory
 from pagedllm.audio.mm_cache import EncodedAudioCache
 from pagedllm.audio.prompt import check_special_tokens
@@ -12,6 +12,7 @@ from pagedllm.audio.tokenizer import AudioTokenizer, resolve_audio_tokenizer
 from pagedllm.audio.voices import load_voice_presets
 from pagedllm.config import EngineConfig
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.audio_args import AudioServerConfig
 from pagedllm.entrypoints.openai.serving import ServingContext
 from pagedllm.entrypoints.openai.serving_audio import AudioServing
@@ -20,7 +21,7 @@ from pagedllm.memory.plan import ComponentMemory, MemoryPlan
 logger = logging.getLogger(__name__)
 
 
-def create_audio_engine(config: EngineConfig, tokenizer, audio: AudioServerConfig) -> AudioLLMEngine:
+def create_audio_engine(config: EngineConfig, tokenizer, audio: AudioServerConfig) -> LLMEngine:
     """The engine, with the codec loaded on its device and planned beside the model."""
 
     def load(engine_config: EngineConfig, plan: MemoryPlan) -> tuple[AudioTokenizer, list[ComponentMemory]]:
@@ -34,13 +35,13 @@ def create_audio_engine(config: EngineConfig, tokenizer, audio: AudioServerConfi
                                               "its size limit"))
         return codec, components
 
-    return AudioLLMEngine(config, tokenizer, load)
+    return LLMEngine(config, tokenizer, components=[AudioTokenizerComponent(load)])
 
 
 def create_audio_serving(engine: AsyncLLMEngine, ctx: ServingContext, audio: AudioServerConfig) -> AudioServing:
     """Check the codec, the text tokenizer and the voices against the model; build the cache."""
     llm_engine = engine.engine
-    codec: AudioTokenizer = llm_engine.audio_tokenizer
+    codec: AudioTokenizer = next(c.codec for c in llm_engine.components if isinstance(c, AudioTokenizerComponent))
     generation = llm_engine.audio
     if generation is None:
         raise ValueError(f"--audio-tokenizer-type is for speech models; {llm_engine.config.model.model!r} "

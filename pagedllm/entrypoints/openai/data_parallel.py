@@ -81,7 +81,7 @@ class Replica:
                                       "disable_log_requests": True})  # the router logs each request once
         child.func = None  # not picklable, not needed
         self.settings.write_bytes(pickle.dumps(child))
-        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.data_parallel",
+        self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.replica",
                                       str(self.settings)], env=self.env)
         self.url = f"http://127.0.0.1:{port}"
         self.kv_usage, self.sent_since_poll = 0.0, 0
@@ -235,18 +235,6 @@ def _replica_max_model_len(replica: Replica, api_key: str | None) -> int:
     """The context length the replica serves (--max-model-len auto is its own plan's)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.get(f"{replica.url}/v1/models", headers=headers, timeout=10).json()["data"][0]["max_model_len"]
-
-
-def _replica_main() -> int:
-    """`python -m pagedllm.entrypoints.openai.data_parallel SETTINGS`: one replica, a lone server that dies
-    with the router."""
-    from pagedllm.entrypoints.cli import run_command
-    from pagedllm.entrypoints.openai.api_server import run_server
-    from pagedllm.utils import die_with_parent
-
-    die_with_parent()
-    ns = pickle.loads(Path(sys.argv[1]).read_bytes())
-    return run_command(run_server, ns)
 
 
 def _unavailable(message: str) -> JSONResponse:
@@ -441,7 +429,3 @@ def _label_samples(text: str, label: str) -> str:
             name, value = line.split(" ", 1)
             out.append(f"{name}{{{label}}} {value}")
     return "\n".join(out)
-
-
-if __name__ == "__main__":
-    sys.exit(_replica_main())

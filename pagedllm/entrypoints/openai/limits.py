@@ -57,8 +57,5 @@ def add_limit_args(group: argparse._ArgumentGroup) -> None:
                        help="sequences one request may ask for (prompts x n)")
     group.add_argument("--max-logprobs-entries", type=int, default=defaults.max_logprobs_entries,
                        help="logprob entries one response may carry (sequences x max_tokens x (logprobs + 1))")
-    group.add_argument("--trust-request-chat-template", action="store_true",
-                       help="allow a chat_template in requests (vLLM's flag); each is rendered in a worker process "
-                            "under --request-chat-template-timeout and a 1 GiB cap. Off: such requests get 400")
     group.add_argument("--request-chat-template-timeout", type=float, default=2.0,
                        help="seconds a request's own chat template may take to render")

@@ -10,7 +10,7 @@ import torch
 from pagedllm.model_executor.attention.base import per_query_inputs
 from pagedllm.model_executor.attention.layer import PagedAttention
 from pagedllm.model_executor.attention.torch_backend import GroupedMetadata, TorchAttentionBackend
-from pagedllm.model_executor.cpu_kernels import cpu_kernels
+from pagedllm.model_executor.cpu_isa import cpu_kernels
 
 DECODE_KERNEL_HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # those cpu_kernels' decode attention is compiled for
 

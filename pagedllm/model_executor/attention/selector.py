@@ -35,7 +35,7 @@ def unsupported_reason(name: str, shape: AttentionShape) -> str | None:
         return None
     if name == "cpu":
         from pagedllm.model_executor.attention.cpu_backend import DECODE_KERNEL_HEAD_DIMS
-        from pagedllm.model_executor.cpu_kernels import cpu_kernels
+        from pagedllm.model_executor.cpu_isa import cpu_kernels
 
         if shape.device.type != "cpu":
             return "it runs on the CPU only"

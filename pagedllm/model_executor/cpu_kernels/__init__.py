@@ -88,26 +88,6 @@ def _remove_stale_build_lock(name: str) -> None:
         lock.unlink(missing_ok=True)
 
 
-_isa_applied: str | None = None  # the PAGEDLLM_CPU_ISA value the kernels' AMX switch was last set for
-
-
-def cpu_kernels() -> ModuleType | None:
-    """The compiled kernels, or None: when they cannot be had (the reason logged once), with
-    PAGEDLLM_CPU_KERNELS=0, or with PAGEDLLM_CPU_ISA=none (model_executor/cpu_isa.py). Below
-    PAGEDLLM_CPU_ISA=amx their AMX paths are off."""
-    global _isa_applied
-    forced = os.environ.get("PAGEDLLM_CPU_ISA", "")
-    if forced.strip().lower() == "none":
-        return None
-    kernels = load_cpu_kernels()
-    if kernels is not None and forced != _isa_applied:
-        from pagedllm.model_executor.cpu_isa import cpu_isa
-
-        cpu_isa()  # checks the value and sets the AMX switch
-        _isa_applied = forced
-    return kernels
-
-
 def kernel_source() -> str:
     """The kernels as one translation unit (ATen's headers take ~10 s to compile, once per unit): the shared
     header, then every source with its include of it removed."""

@@ -21,6 +21,7 @@ from pagedllm.distributed.sharding import ShardLayout
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.audio_sampling import DelayPatternSpec
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, vocab_parallel_embed
+from pagedllm.model_executor.linear import Embedding, Linear
 from pagedllm.model_executor.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -118,7 +119,7 @@ class HiggsAudioV2Model(nn.Module):
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(head_dim, max_positions, cfg.rope_parameters)
         attention_bias, mlp_bias = getattr(cfg, "attention_bias", False), getattr(cfg, "mlp_bias", False)
-        self.embed_tokens = nn.Embedding(ShardLayout.of(cfg).vocab_rows, cfg.hidden_size)  # this rank's rows
+        self.embed_tokens = Embedding(ShardLayout.of(cfg).vocab_rows, cfg.hidden_size)  # this rank's rows
         self.embed_audio_tokens = AudioCodeEmbedding(cfg.num_codebooks, cfg.codebook_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             HiggsAudioV2DecoderLayer(cfg, rotary, attention_bias, attention_bias, False, mlp_bias)
@@ -184,7 +185,7 @@ class HiggsAudioV2ForConditionalGeneration(LlamaForCausalLM):
         self.model = HiggsAudioV2Model(cfg, max_positions)
         self.audio_spec = self.model.spec
         self.num_codebooks, self.codebook_size = cfg.num_codebooks, cfg.codebook_size
-        self.audio_lm_head = nn.Linear(cfg.hidden_size, cfg.num_codebooks * cfg.codebook_size, bias=False)
+        self.audio_lm_head = Linear(cfg.hidden_size, cfg.num_codebooks * cfg.codebook_size, bias=False)
 
     @classmethod
     def verify_config(cls, cfg, max_model_len: int) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import tp_group
@@ -12,7 +11,8 @@ from pagedllm.distributed.sharding import ShardLayout
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.attention import PagedAttention
 from pagedllm.model_executor.kv_quant import kv_scale_target, scale_value
-from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, get_activation, vocab_parallel_embed
+from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, vocab_parallel_embed
+from pagedllm.model_executor.linear import Embedding, GateUpLinear, Linear, LMHead
 
 
 class LlamaAttention(nn.Module):
@@ -25,8 +25,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         # q, k and v projections stacked in one matmul (loaded from the checkpoint's three).
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
@@ -39,12 +39,12 @@ class LlamaAttention(nn.Module):
         if self.q_norm is None:
             # Queries and keys are adjacent columns: rotate them as one (tokens, heads + kv_heads, dim).
             qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = self.rotary.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = self.rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q, k = qkv[:, : self.q_size + self.kv_size].split([self.q_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(n, self.num_heads, self.head_dim))  # (tokens, heads, dim)
             k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
-            q, k = self.rotary(positions, q, k)
+            q, k = self.rotary(positions, q), self.rotary(positions, k)
         return self.o_proj(self.attn(q, k, v).reshape(n, self.q_size))
 
 
@@ -52,15 +52,12 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg, bias: bool) -> None:
         super().__init__()
         self.intermediate_size = ShardLayout.of(cfg).mlp_width  # this rank's columns
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=bias)
-        self.act = get_activation(cfg.hidden_act)
-        # A CPU engine may pack gate_up_proj to give SiLU(gate) * up in one pass (cpu_ops.py).
-        self.gate_up_proj.feeds_silu_and_mul = self.act is F.silu
+        # act(gate) * up of the stacked gate and up projections (loaded from the checkpoint's two).
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, self.intermediate_size, bias, cfg.hidden_act)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,7 +89,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(head_dim, max_positions, cfg.rope_parameters)
-        self.embed_tokens = nn.Embedding(ShardLayout.of(cfg).vocab_rows, cfg.hidden_size)  # this rank's rows
+        self.embed_tokens = Embedding(ShardLayout.of(cfg).vocab_rows, cfg.hidden_size)  # this rank's rows
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias) for _ in range(cfg.num_hidden_layers)
         )
@@ -118,6 +115,10 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias_default = False
     qk_norm = False
     supports_tensor_parallel = True  # heads, MLP and vocabulary split across ranks (distributed/sharding.py)
+    # What the runner reads of every model class (an audio model sets them otherwise):
+    audio_spec = None  # multi-codebook frames in and out (audio_sampling.DelayPatternSpec); None: text
+    logits_split_by_vocab = True  # each rank computes its vocabulary rows' logits (gathered by the runner)
+    ignored_weight_names: frozenset[str] = frozenset()  # checkpoint tensors not even read
 
     def __init__(self, cfg, max_positions: int) -> None:
         super().__init__()
@@ -126,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias, o_bias = self._biases(attention_bias)
         self.model = LlamaModel(cfg, max_positions, qkv_bias, o_bias, self.qk_norm, getattr(cfg, "mlp_bias", False))
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = nn.Linear(cfg.hidden_size, ShardLayout.of(cfg).vocab_rows, bias=False)  # this rank's rows
+        self.lm_head = LMHead(cfg.hidden_size, ShardLayout.of(cfg).vocab_rows, bias=False)  # this rank's rows
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -159,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         """(rows, vocab) logits (this rank's vocabulary rows under tensor parallelism: the runner gathers
         them). `vocab_major`: the caller reads any layout, so a transposed view may come back (a CPU
         engine's LM head uses that: cpu_ops.py)."""
-        return self.lm_head(hidden)
+        return self.lm_head.logits(hidden, vocab_major)
 
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn.attn for layer in self.model.layers]

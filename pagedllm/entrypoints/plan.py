@@ -5,13 +5,14 @@ from dataclasses import replace
 
 import torch
 
-from pagedllm.engine.arg_utils import EngineArgs, parse_size
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.memory.device import DeviceMemory
 from pagedllm.memory.device import device_memory as measure_device_memory
 from pagedllm.memory.device import host_memory as host_memory_of_this_machine
 from pagedllm.memory.facts import device_facts, dry_run_model_facts, settings_from, with_measured_offload_cost
 from pagedllm.memory.plan import MemoryPlan
 from pagedllm.model_executor.model_files import resolve_model_path, weight_files
+from pagedllm.utils import parse_size
 
 
 def dry_run_plan(args: EngineArgs, device: str = "auto", device_memory: str | None = None,
