@@ -19,21 +19,19 @@ from pagedllm.entrypoints.openai.generation_defaults import GenerationDefaults
 from pagedllm.entrypoints.openai.limits import RequestLimits
 from pagedllm.entrypoints.openai.request_templates import FLAG as TRUST_TEMPLATE_FLAG
 from pagedllm.entrypoints.openai.request_templates import RequestTemplateError, RequestTemplateRenderer
-from pagedllm.entrypoints.openai.tool_calls import (
-    ConstrainedCallReader,
-    ToolCall,
-    calls_from_constrained,
-    check_tools,
-    constraint_for,
-    content_so_far,
-    parse_tool_calls,
+from pagedllm.entrypoints.openai.chat_stream import (
+    ChoiceStreamer,
+    TextCursor,
+    chat_logprobs,
+    json_logprob,
+    streamer_for,
 )
+from pagedllm.entrypoints.openai.tool_use import ToolUse
 from pagedllm.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 from pagedllm.errors import InvalidParameterError, InvalidPromptError
 from pagedllm.isolated_worker import WorkerCancelled
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output import GuidedDecodingParams
 
 
 # A prompt longer than this many characters per token of max_model_len is measured on a prefix first: text
@@ -218,22 +216,6 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-class _TextCursor:
-    """What of a sample's text and tokens was already sent. Text that could still turn out to be
-    the start of a stop string is held back until the sample finishes."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.hold = max((len(s) for s in stops), default=1) - 1
-        self.text = 0
-        self.tokens = 0
-
-    def advance(self, c: CompletionOutput) -> tuple[str, int, int]:
-        end = len(c.text) if c.finished() else max(self.text, len(c.text) - self.hold)
-        delta, self.text = c.text[self.text:end], end
-        first_token, self.tokens = self.tokens, len(c.token_ids)
-        return delta, first_token, self.tokens
-
-
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the outputs of several prompts' streams as they come."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -363,15 +345,6 @@ def _completion_prompts(prompt) -> list:
     return [{"prompt_token_ids": p} for p in prompt]
 
 
-LOWEST_LOGPROB = -9999.0
-
-
-def _json_logprob(logprob: float) -> float:
-    """A logprob JSON can carry: a token masked out (structured outputs, logit_bias -100) has -inf, which is
-    not a JSON number; like vLLM, report it as -9999.0."""
-    return max(logprob, LOWEST_LOGPROB)
-
-
 def _completion_logprobs(entries, decode_token, first_offset: int = 0) -> dict:
     """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset. `decode_token(id)`: the
     text of a token that has no logprob entry (the first prompt token of an echo), which is still a token."""
@@ -389,8 +362,8 @@ def _completion_logprobs(entries, decode_token, first_offset: int = 0) -> dict:
         chosen = entry[token_id]
         text = chosen.decoded_token or ""
         tokens.append(text)
-        token_lps.append(_json_logprob(chosen.logprob))
-        tops.append({(lp.decoded_token or ""): _json_logprob(lp.logprob) for lp in entry.values()})
+        token_lps.append(json_logprob(chosen.logprob))
+        tops.append({(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in entry.values()})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -457,14 +430,14 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     usage_field = _chunk_usage(req.stream_options)
 
     async def events():
-        cursors: dict[tuple[int, int], _TextCursor] = {}
+        cursors: dict[tuple[int, int], TextCursor] = {}
         finals: dict[int, RequestOutput] = {}
         try:
             async for i, out in _merge(streams):
                 for c in out.outputs:
                     key = (i, c.index)
                     first = key not in cursors
-                    cur = cursors.setdefault(key, _TextCursor(params.stop))
+                    cur = cursors.setdefault(key, TextCursor(params.stop))
                     delta, t0, t1 = cur.advance(c)
                     entries = list(zip(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1]))
                     if first and req.echo:
@@ -487,87 +460,6 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         yield _sse("[DONE]")
 
     return events()
-
-
-def _chat_logprobs(token_ids: list[int], entries, top_n: int) -> dict:
-    content = []
-    for token_id, entry in zip(token_ids, entries):
-        chosen = entry[token_id]
-
-        def item(lp):
-            text = lp.decoded_token or ""
-            return {"token": text, "logprob": _json_logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
-
-        top = sorted(entry.values(), key=lambda lp: -lp.logprob)[:top_n]
-        content.append(item(chosen) | {"top_logprobs": [item(lp) for lp in top]})
-    return {"content": content}
-
-
-@dataclass
-class ToolUse:
-    """A chat request's tools: what the template renders, what constrains the reply, how the reply is read."""
-
-    choice: str | dict | None = None
-    tools: dict[str, dict] = field(default_factory=dict)
-    parser: str | None = None  # the server's --tool-call-parser, for tool_choice auto
-    constraint: GuidedDecodingParams | None = None
-
-    @classmethod
-    def of(cls, ctx: ServingContext, req: ChatCompletionRequest) -> ToolUse:
-        try:
-            tools = check_tools(req.tools, req.tool_choice)
-        except InvalidParameterError as e:
-            raise APIError(400, str(e), e.param) from None
-        if not tools:
-            return cls()
-        choice = req.tool_choice if req.tool_choice is not None else "auto"
-        if choice == "auto" and ctx.tool_call_parser is None:
-            raise APIError(400, "tool_choice auto (the default with tools) needs the server started with "
-                                "--enable-auto-tool-choice --tool-call-parser NAME; or pass tool_choice required, "
-                                "a named function, or none", "tool_choice")
-        return cls(choice, tools, ctx.tool_call_parser,
-                   constraint_for(tools, choice, parallel=req.parallel_tool_calls is not False))
-
-    @property
-    def active(self) -> bool:
-        return bool(self.tools) and self.choice != "none"
-
-    @property
-    def rendered(self) -> list[dict] | None:
-        """The tools the chat template is given (none with tool_choice none, as vLLM by default)."""
-        return list(self.tools.values()) if self.active else None
-
-    def call_deltas(self, c: CompletionOutput, reader: ConstrainedCallReader, sent: list[int]) -> list[dict]:
-        """`delta.tool_calls` for what a constrained reply wrote since the last chunk: a call once its name is
-        complete (id, type, name, empty arguments), then the new text of its arguments. `reader` reads the
-        choice's reply as it grows; `sent` holds the characters of each call's arguments already sent."""
-        deltas = []
-        for k, call in enumerate(reader.read(c.text)):
-            if call.name is None:
-                break
-            if k == len(sent):
-                sent.append(0)
-                deltas.append(ToolCall(call.name, "").to_openai(index=k))
-            if len(call.arguments) > sent[k]:
-                deltas.append({"index": k, "function": {"arguments": call.arguments[sent[k]:]}})
-                sent[k] = len(call.arguments)
-        return deltas
-
-    def reply(self, c: CompletionOutput) -> tuple[dict, str | None]:
-        """(message, finish_reason) of a finished sample."""
-        message = {"role": "assistant", "content": c.text}
-        if not self.active:
-            return message, c.finish_reason
-        if self.constraint is not None:
-            if c.finish_reason != "stop":  # cut by max_tokens: the calls are incomplete
-                return message, c.finish_reason
-            calls = calls_from_constrained(c.text, self.choice)
-            finish = "stop" if isinstance(self.choice, dict) else "tool_calls"  # (as OpenAI)
-            return {"role": "assistant", "content": None, "tool_calls": [t.to_openai() for t in calls]}, finish
-        content, calls = parse_tool_calls(self.parser, c.text)
-        if not calls:
-            return message, c.finish_reason
-        return {"role": "assistant", "content": content, "tool_calls": [t.to_openai() for t in calls]}, "tool_calls"
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict]:
@@ -610,7 +502,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _sampling_params(ctx, req, max_tokens, logprobs, None, "top_logprobs")
-    tools = ToolUse.of(ctx, req)
+    tools = ToolUse.of(req, ctx.tool_call_parser)
     if tools.constraint is not None:
         if params.guided_decoding is not None:
             raise APIError(400, f"tool_choice {tools.choice!r} constrains the reply, and so does "
@@ -631,7 +523,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         for c in out.outputs:
             message, finish = tools.reply(c)
             choices.append({"index": c.index, "message": message,
-                            "logprobs": _chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                            "logprobs": chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                             if req.logprobs else None, "finish_reason": finish, "stop_reason": c.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": _usage([out])}
@@ -644,60 +536,19 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         return _sse(body | ({"usage": usage} if usage is not None else usage_field(current[-1] if current else None)))
 
     async def events():
-        cursors: dict[int, _TextCursor] = {}
-        streamed: dict[int, tuple] = {}  # choice -> (its call reader, characters of each call's arguments sent)
-        content_sent: dict[int, str] = {}  # choice -> the content of a free reply with tools sent so far
+        streamers: dict[int, ChoiceStreamer] = {}
         final = None
         try:
             async for _, out in _merge(streams):
                 current.append(out)
                 del current[:-1]
                 for c in out.outputs:
-                    if c.index not in cursors:
-                        cursors[c.index] = _TextCursor(params.stop)
-                        yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None}])
-                    if tools.constraint is not None:  # calls streamed as written: names, then arguments
-                        if c.index not in streamed:
-                            streamed[c.index] = (ConstrainedCallReader(tools.choice), [])
-                        calls = tools.call_deltas(c, *streamed[c.index])
-                        if calls:
-                            yield chunk([{"index": c.index, "delta": {"tool_calls": calls}, "logprobs": None,
-                                          "finish_reason": None}])
-                        if c.finished():
-                            yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                          "finish_reason": tools.reply(c)[1], "stop_reason": c.stop_reason}])
-                        continue
-                    if tools.active:  # a free reply: its content streams, its calls come when it is complete
-                        sent = content_sent.setdefault(c.index, "")
-                        if not params.stop and not c.finished():
-                            text = content_so_far(tools.parser, c.text)
-                            if len(text) > len(sent):
-                                content_sent[c.index] = text
-                                yield chunk([{"index": c.index, "delta": {"content": text[len(sent):]},
-                                              "logprobs": None, "finish_reason": None}])
-                        if c.finished():
-                            message, finish = tools.reply(c)
-                            rest = message["content"]
-                            if rest is not None and sent:
-                                rest = rest[len(sent):] if rest.startswith(sent) else None
-                            delta = {"content": rest} if rest else {}
-                            if message.get("tool_calls"):
-                                delta["tool_calls"] = [{"index": i, **call}
-                                                       for i, call in enumerate(message["tool_calls"])]
-                            yield chunk([{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}])
-                            yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                          "finish_reason": finish, "stop_reason": c.stop_reason}])
-                        continue
-                    delta, t0, t1 = cursors[c.index].advance(c)
-                    lp = _chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], req.top_logprobs or 0)
-                    lp = lp if req.logprobs else None
-                    if delta or (lp and lp["content"]):
-                        yield chunk([{"index": c.index, "delta": {"content": delta}, "logprobs": lp,
-                                      "finish_reason": None}])
-                    if c.finished():
-                        yield chunk([{"index": c.index, "delta": {}, "logprobs": None,
-                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                    if c.index not in streamers:
+                        streamers[c.index] = streamer_for(c.index, tools, params.stop,
+                                                          (req.top_logprobs or 0) if req.logprobs else None)
+                        yield chunk([streamers[c.index].opening()])
+                    for choice in streamers[c.index].chunks(c):
+                        yield chunk([choice])
                 if out.finished:
                     final = out
             if req.stream_options and req.stream_options.include_usage and final is not None:

@@ -1,0 +1,263 @@
+"""The server's routes: the OpenAI-compatible API (completions, chat, audio), the tokenizer's, /health, /version,
+/metrics and /v1/memory, with their error handlers and the OpenAPI document they publish. The server's start,
+drain and shutdown are in api_server.py."""
+from __future__ import annotations
+
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagedllm
+from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
+from pagedllm.entrypoints.openai import serving_audio
+from pagedllm.audio.io import AUDIO_CONTENT_TYPES
+from pagedllm.entrypoints.openai.audio_args import AudioServerConfig
+from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
+from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S, ServerGuard, default_max_body_bytes, open_paths
+from pagedllm.entrypoints.openai.openapi import (
+    GENERATION,
+    READ_ONLY,
+    TOKENIZER,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    MemoryResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+    VoiceList,
+    error_responses,
+    json_ok,
+    stream_ok,
+    truthful_openapi,
+)
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SpeechRequest,
+    TokenizeRequest,
+)
+from pagedllm.entrypoints.openai.generation_defaults import GenerationDefaults
+from pagedllm.entrypoints.openai.limits import RequestLimits
+from pagedllm.entrypoints.openai.request_templates import RequestTemplateRenderer
+from pagedllm.entrypoints.openai.serving import (
+    ServingContext,
+    create_chat_completion,
+    create_completion,
+)
+from pagedllm.metrics import EngineMetrics
+
+def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | None = None,
+              chat_template: str | None = None, metrics: EngineMetrics | None = None,
+              audio: AudioServerConfig | None = None, max_body_bytes: int | None = None,
+              max_waiting_requests: int | None = None, tool_call_parser: str | None = None,
+              limits: RequestLimits | None = None, request_templates: RequestTemplateRenderer | None = None,
+              body_timeout_s: float = 30.0, metrics_need_key: bool = False,
+              generation_defaults: GenerationDefaults | None = None) -> FastAPI:
+    """The API; app.state.guard is the ASGI app to serve (the body limit and draining in front of it)."""
+    llm_engine = engine.engine
+    max_model_len = llm_engine.config.model.max_model_len
+    ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests, tool_call_parser,
+                         limits=limits or RequestLimits(), request_templates=request_templates,
+                         generation_defaults=generation_defaults or GenerationDefaults())
+    app = FastAPI(title="pagedllm", version=pagedllm.__version__)
+    app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key,
+                                          body_timeout_s, max_prompt_tokens=max_model_len,
+                                          open_paths=open_paths(metrics_need_key))
+    app.openapi = lambda: truthful_openapi(app, guard.open_paths, api_key is not None, app.state.audio is not None,
+                                           llm_engine.config.model.vocab_size)
+    app.state.audio = None
+    if audio is not None and audio.enabled:
+        from pagedllm.entrypoints.openai.audio_setup import create_audio_serving
+
+        app.state.audio = create_audio_serving(engine, ctx, audio)
+        if metrics is not None:
+            app.state.audio.on_cache_lookup = metrics.on_mm_cache_lookup
+    with_audio = app.state.audio is not None  # (the audio routes are documented only where they serve)
+    created = int(time.time())
+
+    def serving() -> None:
+        if not engine.is_running:
+            raise APIError(503, "The engine is not serving (it stopped after an internal error).")
+
+    v1 = [Depends(serving)]  # (the API key is checked by the guard, before the body is read)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return error_response(e.status, e.message, e.param, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_, e: RequestValidationError):
+        parts, param = [], None
+        for err in e.errors():
+            if err.get("type") == "json_invalid":
+                where = err.get("loc", ("body", "?"))[-1]
+                detail = (err.get("ctx") or {}).get("error", "malformed JSON")
+                return error_response(400, f"Invalid JSON in the request body at character {where}: {detail}")
+            loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
+            param = param or (".".join(loc) or None)
+            got = err.get("input")
+            shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
+            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} (got {shown[:80]})")
+        return error_response(400, "Invalid request: " + "; ".join(parts[:5]), param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):
+        # FastAPI's own errors (unknown route, wrong method, a body that is not UTF-8 or nests too
+        # deeply to parse) in the OpenAI shape too, not as {"detail": ...}.
+        response = error_response(e.status_code, str(e.detail))
+        response.headers.update(e.headers or {})  # e.g. Allow on a 405
+        return response
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_, e: EngineDeadError):
+        return error_response(503, str(e))
+
+    @app.exception_handler(RequestAbortedError)
+    async def _aborted(_, e: RequestAbortedError):
+        return error_response(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.exception_handler(ValueError)
+    async def _value_error(_, e: ValueError):
+        return error_response(400, str(e), param_of(e))
+
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "Serving (empty body)", "content": {}}, **error_responses(503)})
+    async def health():
+        if not engine.is_running:
+            return error_response(503, "engine not running")
+        if guard.draining:
+            return error_response(503, "draining: the server is shutting down",
+                                  headers={"Retry-After": str(RETRY_AFTER_S)})
+        return Response(status_code=200)
+
+    app.head("/health", include_in_schema=False)(health)  # load balancers probe with HEAD
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version():
+        return {"version": pagedllm.__version__}
+
+    @app.get("/metrics", responses={200: {"description": "Prometheus text format",
+                                          "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
+                                     **error_responses(401)})  # (401 only under --require-api-key-for-metrics)
+    async def metrics_endpoint():
+        body = generate_latest(metrics.registry) if metrics is not None else b""
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=v1, responses={200: json_ok(ModelList, "The served model names"), **READ_ONLY})
+    async def models():
+        return {"object": "list", "data": [model_card(name) for name in served_names]}
+
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
+                "root": str(llm_engine.config.model.path), "parent": None,
+                "max_model_len": llm_engine.config.model.max_model_len}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=v1,
+             responses={200: json_ok(ModelCard, "The model"), **error_responses(401, 404, 503)})
+    async def model(model_id: str):
+        """OpenAI's models.retrieve (names may hold slashes: "Qwen/Qwen2.5-0.5B")."""
+        if model_id not in served_names:
+            raise APIError(404, f"The model `{model_id}` does not exist. Served: {', '.join(served_names)}.", "model")
+        return model_card(model_id)
+
+    async def respond(result):
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(result, media_type="text/event-stream")
+
+    @app.post("/v1/completions", dependencies=v1,
+              responses={200: stream_ok(CompletionResponse, "The completion"), **GENERATION})
+    async def completions(body: CompletionRequest, raw: Request):
+        return await respond(await create_completion(ctx, body, raw))
+
+    @app.post("/v1/chat/completions", dependencies=v1,
+              responses={200: stream_ok(ChatCompletionResponse, "The chat completion", ChatCompletionChunk),
+                         **GENERATION})
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        if serving_audio.wants_audio(body):
+            return await respond(await serving_audio.create_audio_chat_completion(_audio(), body, raw))
+        return await respond(await create_chat_completion(ctx, body, raw))
+
+    def _audio() -> serving_audio.AudioServing:
+        if app.state.audio is None:
+            raise APIError(400, f"this server's model ({llm_engine.config.model.architecture}) has no audio: audio "
+                                f"input and output need a speech model served with --audio-tokenizer-type")
+        return app.state.audio
+
+    audio_file = {"description": "The audio file (or stream)",
+                  "content": {t: {"schema": {"type": "string", "format": "binary"}} for t in AUDIO_CONTENT_TYPES}}
+
+    @app.post("/v1/audio/speech", dependencies=v1, include_in_schema=with_audio,
+              responses={200: audio_file, **GENERATION})
+    async def speech(body: SpeechRequest, raw: Request):
+        return await serving_audio.create_speech(_audio(), body, raw)
+
+    @app.get("/v1/audio/voices", dependencies=v1, include_in_schema=with_audio,
+             responses={200: json_ok(VoiceList, "The voice presets"), **error_responses(400, 401, 503)})
+    async def voices():
+        return serving_audio.list_voices(_audio())
+
+    @app.post("/tokenize", dependencies=v1, responses={200: json_ok(TokenizeResponse, "Token ids"), **TOKENIZER})
+    async def tokenize(body: TokenizeRequest):
+        ctx.model_name(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", "prompt")
+        if body.messages is not None:
+            msgs = [{"role": m.role, "content": m.content if isinstance(m.content, str) else ""}
+                    for m in body.messages]
+            _, ids = await ctx.render_chat(msgs, chat_template, body.add_generation_prompt)
+        else:
+            ids = await ctx.tokenize(body.prompt, "prompt", body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=v1,
+              responses={200: json_ok(DetokenizeResponse, "The text"), **TOKENIZER})
+    async def detokenize(body: DetokenizeRequest):
+        ctx.model_name(body.model)
+        vocab = llm_engine.config.model.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+        tokenizer = ctx._tokenizer()
+        return {"prompt": await ctx.run(tokenizer.decode, body.tokens)}
+
+    @app.get("/tokenizer_info", dependencies=v1, responses={200: {"description": "The tokenizer's settings"},
+                                                             **READ_ONLY})
+    async def tokenizer_info():
+        tok = llm_engine.tokenizer  # (attributes only: read here, nothing runs on the engine thread)
+        if tok is None:
+            return {"tokenizer": None}
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token,
+                "eos_token_id": tok.eos_token_id, "bos_token": tok.bos_token,
+                "bos_token_id": tok.bos_token_id, "pad_token": tok.pad_token, "pad_token_id": tok.pad_token_id,
+                "chat_template": chat_template or getattr(tok, "chat_template", None),
+                "model_max_length": ctx.max_model_len, "vocab_size": llm_engine.config.model.vocab_size}
+
+    @app.get("/v1/memory", dependencies=v1, responses={200: json_ok(MemoryResponse, "Memory plan and KV cache use"),
+                                                        **READ_ONLY})
+    async def memory():
+        def snapshot(e):
+            return e.stats(with_requests=True).memory_json()
+        return await engine.call(snapshot)
+
+    return app
+
+
+def _is_union_tag(part) -> bool:
+    """A validation error's location names the member of a union it was tried against ("str", "list[int]");
+    the API's `param` is the field, not that."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part)
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+# vLLM flags pagedllm does not implement yet, with the value at which they change nothing.
+# Anything else is refused at start-up: a flag is never accepted and silently ignored.
