@@ -58,6 +58,9 @@ GENERATION_PATHS = ("v1/completions", "v1/chat/completions", "v1/audio/speech")
 HOP_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 
 
+REPLICA_DRAIN_MARGIN_S = 5.0  # a replica's --shutdown-timeout over the router's
+
+
 class Replica:
     """One replica: its process (replaced when it is restarted), its URL, and what routing reads."""
 
@@ -77,8 +80,11 @@ class Replica:
         from pagedllm.executor.multiproc import free_port
 
         port = free_port()
+        # The router logs each request once. Its drain decides when running requests are ended (it sends the
+        # replicas their second signal then): a replica's own deadline comes later, never first.
         child = argparse.Namespace(**{**vars(ns), "data_parallel_size": 1, "port": port, "host": "127.0.0.1",
-                                      "disable_log_requests": True})  # the router logs each request once
+                                      "disable_log_requests": True,
+                                      "shutdown_timeout": ns.shutdown_timeout + REPLICA_DRAIN_MARGIN_S})
         child.func = None  # not picklable, not needed
         self.settings.write_bytes(pickle.dumps(child))
         self.proc = subprocess.Popen([sys.executable, "-m", "pagedllm.entrypoints.openai.replica",
@@ -226,7 +232,7 @@ def serve_data_parallel(ns: argparse.Namespace, api_key: str | None) -> int:
                         ", ".join(r.url for r in replicas), ns.host, ns.port)
             server.run()
         finally:
-            codes = stop_replicas(replicas, ns.shutdown_timeout + CLOSE_GRACE_S + 5)
+            codes = stop_replicas(replicas, ns.shutdown_timeout + REPLICA_DRAIN_MARGIN_S + CLOSE_GRACE_S + 5)
     forced = server is not None and server.forced
     return 1 if forced or any(code not in (0, -signal.SIGTERM) for code in codes) else 0
 
