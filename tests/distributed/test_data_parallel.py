@@ -163,7 +163,10 @@ def test_the_router_serves_as_a_lone_server_does_and_outlives_a_replica(tmp_path
             normal_tokens = 2 * len(normal.latencies) + 2  # the normal client's own, one request in flight
             assert metric(url, "pagedllm:generation_tokens_total") - before < 3000 + normal_tokens
 
-        # SIGKILL one replica while streams run on both: only its streams end (with an error event).
+        # SIGKILL one replica while streams run on both: only its streams end (with an error event). The router
+        # must first have polled both idle (the aborted request's blocks counted on one until then).
+        wait_until(lambda: all(metric(url, "pagedllm:dp_replica_load", replica=str(i)) == 0 for i in (0, 1)),
+                   "the router to read both replicas idle", attempts=100, interval_s=0.1)
         streams = [Stream(url, [3 + i, 4, 5], 1000) for i in range(4)]
         for s in streams:
             s.start()

@@ -412,6 +412,10 @@ def _router_metrics(router: Router) -> str:
              "# HELP pagedllm:dp_replica_restarts_total Replicas started again after they died.",
              "# TYPE pagedllm:dp_replica_restarts_total counter"]
     lines += [f'pagedllm:dp_replica_restarts_total{{replica="{r.index}"}} {r.restarts}' for r in router.replicas]
+    lines += ["# HELP pagedllm:dp_replica_load What the router reads as each replica's load: its KV cache usage at "
+              "the last poll plus the requests sent since, a sequence's share each (the least loaded gets the next "
+              "request).", "# TYPE pagedllm:dp_replica_load gauge"]
+    lines += [f'pagedllm:dp_replica_load{{replica="{r.index}"}} {router.load(r)}' for r in router.replicas]
     return "\n".join(lines)
 
 
