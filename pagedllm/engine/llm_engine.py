@@ -268,9 +268,11 @@ class LLMEngine:
         """What the engine holds now (call it on the engine's thread: AsyncLLMEngine.call); `with_requests`: each
         request's blocks too (/v1/memory)."""
         pool, kv = self.kv_cache.pool, self.kv_cache
-        running = {r.request_id: r for r in self.scheduler.running}
-        requests = tuple(RequestBlocks(rid, len(table), running[rid].num_computed_tokens if rid in running else 0)
-                         for rid, table in kv.block_tables.items()) if with_requests else ()
+        requests = ()
+        if with_requests:  # (not on /metrics' path, which takes a snapshot every step)
+            running = {r.request_id: r for r in self.scheduler.running}
+            requests = tuple(RequestBlocks(rid, len(table), running[rid].num_computed_tokens if rid in running else 0)
+                             for rid, table in kv.block_tables.items())
         grammars = self.structured_outputs
         return EngineStats(
             memory_plan=self.memory_plan, num_running=len(self.scheduler.running),
