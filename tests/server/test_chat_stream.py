@@ -1,6 +1,8 @@
 """The chat stream's per-choice streamers on their own (the server tests stream them end to end)."""
 from __future__ import annotations
 
+import json
+
 from pagedllm.entrypoints.openai.chat_stream import (
     ConstrainedCallStreamer,
     FreeReplyStreamer,
@@ -25,6 +27,11 @@ def _out(text: str, finish: str | None = None) -> CompletionOutput:
     return CompletionOutput(0, text, list(range(len(text))), None, None, finish)
 
 
+def _sent(choices) -> list[dict]:
+    """The chunk choices as they go on the wire."""
+    return [c.to_json() for c in choices]
+
+
 def test_each_mode_has_its_streamer():
     assert isinstance(streamer_for(0, ToolUse(), [], None), TextStreamer)
     assert isinstance(streamer_for(0, _tools("auto"), [], None), FreeReplyStreamer)
@@ -34,19 +41,32 @@ def test_each_mode_has_its_streamer():
 
 def test_text_is_held_back_while_it_may_start_a_stop_string():
     streamer = TextStreamer(0, ["END"], None)
-    assert streamer.opening()["delta"] == {"role": "assistant", "content": ""}
-    assert [c["delta"] for c in streamer.chunks(_out("abcEN"))] == [{"content": "abc"}]  # "EN" may be "END"
-    last = streamer.chunks(_out("abcENx", "stop"))
+    assert streamer.opening().to_json()["delta"] == {"role": "assistant", "content": ""}
+    assert [c["delta"] for c in _sent(streamer.chunks(_out("abcEN")))] == [{"content": "abc"}]  # "EN" may be "END"
+    last = _sent(streamer.chunks(_out("abcENx", "stop")))
     assert [c["delta"] for c in last] == [{"content": "ENx"}, {}]
     assert last[-1]["finish_reason"] == "stop" and "stop_reason" in last[-1]
 
 
 def test_a_constrained_call_streams_its_name_then_its_arguments():
     streamer = ConstrainedCallStreamer(0, _tools("required"))
-    first = streamer.chunks(_out('[{"name": "get_weather", "parameters": {"ci'))
+    first = _sent(streamer.chunks(_out('[{"name": "get_weather", "parameters": {"ci')))
     calls = first[0]["delta"]["tool_calls"]
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["function"]["arguments"] == ""
-    more = streamer.chunks(_out('[{"name": "get_weather", "parameters": {"city": "Paris"}}]', "stop"))
+    more = _sent(streamer.chunks(_out('[{"name": "get_weather", "parameters": {"city": "Paris"}}]', "stop")))
     arguments = "".join(call["function"]["arguments"] for c in first + more for call in c["delta"].get("tool_calls", []))
     assert arguments.replace(" ", "") == '{"city":"Paris"}'
     assert more[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_free_reply_streams_its_content_and_sends_its_calls_once_complete():
+    streamer = FreeReplyStreamer(0, _tools("auto"), has_stops=False)
+    assert _sent(streamer.chunks(_out("Let me look."))) == [
+        {"index": 0, "delta": {"content": "Let me look."}, "logprobs": None, "finish_reason": None}]
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    assert _sent(streamer.chunks(_out("Let me look. " + call[:12]))) == []  # may be a call: held
+    calls, last = _sent(streamer.chunks(_out("Let me look. " + call, "stop")))
+    (sent,) = calls["delta"]["tool_calls"]
+    assert sent["index"] == 0 and sent["type"] == "function" and sent["id"].startswith("call_")
+    assert sent["function"]["name"] == "get_weather" and json.loads(sent["function"]["arguments"]) == {"city": "Paris"}
+    assert last["finish_reason"] == "tool_calls" and last["delta"] == {}

@@ -6,6 +6,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+from pagedllm.entrypoints.openai.bodies import (
+    ChatChunkChoice,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    FunctionCallDelta,
+    ToolCallDelta,
+    TopLogprob,
+)
 from pagedllm.entrypoints.openai.tool_calls import ConstrainedCallReader, ToolCall, content_so_far
 from pagedllm.entrypoints.openai.tool_use import ToolUse
 from pagedllm.outputs import CompletionOutput
@@ -27,19 +36,18 @@ class TextCursor:
         return delta, first_token, self.tokens
 
 
-def chat_logprobs(token_ids: list[int], entries, top_n: int) -> dict:
+def chat_logprobs(token_ids: list[int], entries, top_n: int) -> ChatLogprobs:
     """`choices[].logprobs` of a chat completion (or chunk): each token's logprob and its top_n alternatives."""
     content = []
     for token_id, entry in zip(token_ids, entries):
-        chosen = entry[token_id]
-
-        def item(lp):
+        def item(lp) -> dict:
             text = lp.decoded_token or ""
             return {"token": text, "logprob": json_logprob(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
         top = sorted(entry.values(), key=lambda lp: -lp.logprob)[:top_n]
-        content.append(item(chosen) | {"top_logprobs": [item(lp) for lp in top]})
-    return {"content": content}
+        content.append(ChatTokenLogprob(**item(entry[token_id]),
+                                        top_logprobs=[TopLogprob(**item(lp)) for lp in top]))
+    return ChatLogprobs(content=content)
 
 
 LOWEST_LOGPROB = -9999.0
@@ -51,22 +59,21 @@ def json_logprob(logprob: float) -> float:
     return max(logprob, LOWEST_LOGPROB)
 
 
-def _choice(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None,
-            stop_reason=None, final: bool = False) -> dict:
-    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-    return choice | {"stop_reason": stop_reason} if final else choice
+def _last(index: int, finish_reason: str | None, stop_reason) -> ChatChunkChoice:
+    """A choice's last chunk: why it finished."""
+    return ChatChunkChoice(index=index, delta=ChatDelta(), finish_reason=finish_reason, stop_reason=stop_reason)
 
 
 class ChoiceStreamer(ABC):
     def __init__(self, index: int) -> None:
         self.index = index
 
-    def opening(self) -> dict:
+    def opening(self) -> ChatChunkChoice:
         """The choice's first chunk: the assistant's role."""
-        return _choice(self.index, {"role": "assistant", "content": ""})
+        return ChatChunkChoice(index=self.index, delta=ChatDelta(role="assistant", content=""))
 
     @abstractmethod
-    def chunks(self, c: CompletionOutput) -> list[dict]:
+    def chunks(self, c: CompletionOutput) -> list[ChatChunkChoice]:
         """The chunk choices `c` (the choice's output so far) adds to what was sent."""
 
 
@@ -79,15 +86,15 @@ class TextStreamer(ChoiceStreamer):
         self.cursor = TextCursor(stops)
         self.top_logprobs = top_logprobs  # None: no logprobs
 
-    def chunks(self, c: CompletionOutput) -> list[dict]:
+    def chunks(self, c: CompletionOutput) -> list[ChatChunkChoice]:
         out = []
         delta, t0, t1 = self.cursor.advance(c)
         lp = None if self.top_logprobs is None else \
             chat_logprobs(c.token_ids[t0:t1], (c.logprobs or [])[t0:t1], self.top_logprobs)
-        if delta or (lp and lp["content"]):
-            out.append(_choice(self.index, {"content": delta}, logprobs=lp))
+        if delta or (lp and lp.content):
+            out.append(ChatChunkChoice(index=self.index, delta=ChatDelta(content=delta), logprobs=lp))
         if c.finished():
-            out.append(_choice(self.index, {}, c.finish_reason, stop_reason=c.stop_reason, final=True))
+            out.append(_last(self.index, c.finish_reason, c.stop_reason))
         return out
 
 
@@ -101,25 +108,26 @@ class ConstrainedCallStreamer(ChoiceStreamer):
         self.reader = ConstrainedCallReader(tools.choice)
         self.sent: list[int] = []  # characters of each call's arguments already sent
 
-    def chunks(self, c: CompletionOutput) -> list[dict]:
+    def chunks(self, c: CompletionOutput) -> list[ChatChunkChoice]:
         out = []
         calls = self._call_deltas(c)
         if calls:
-            out.append(_choice(self.index, {"tool_calls": calls}))
+            out.append(ChatChunkChoice(index=self.index, delta=ChatDelta(tool_calls=calls)))
         if c.finished():
-            out.append(_choice(self.index, {}, self.tools.reply(c)[1], stop_reason=c.stop_reason, final=True))
+            out.append(_last(self.index, self.tools.reply(c)[1], c.stop_reason))
         return out
 
-    def _call_deltas(self, c: CompletionOutput) -> list[dict]:
+    def _call_deltas(self, c: CompletionOutput) -> list[ToolCallDelta]:
         deltas = []
         for k, call in enumerate(self.reader.read(c.text)):
             if call.name is None:
                 break
             if k == len(self.sent):
                 self.sent.append(0)
-                deltas.append(ToolCall(call.name, "").to_openai(index=k))
+                deltas.append(ToolCall(call.name, "").to_openai().as_delta(k))
             if len(call.arguments) > self.sent[k]:
-                deltas.append({"index": k, "function": {"arguments": call.arguments[self.sent[k]:]}})
+                deltas.append(ToolCallDelta(index=k, function=FunctionCallDelta(
+                    arguments=call.arguments[self.sent[k]:])))
                 self.sent[k] = len(call.arguments)
         return deltas
 
@@ -134,24 +142,24 @@ class FreeReplyStreamer(ChoiceStreamer):
         self.has_stops = has_stops
         self.sent = ""  # the content sent so far
 
-    def chunks(self, c: CompletionOutput) -> list[dict]:
+    def chunks(self, c: CompletionOutput) -> list[ChatChunkChoice]:
         out = []
         sent = self.sent
         if not self.has_stops and not c.finished():
             text = content_so_far(self.tools.parser, c.text)
             if len(text) > len(sent):
                 self.sent = text
-                out.append(_choice(self.index, {"content": text[len(sent):]}))
+                out.append(ChatChunkChoice(index=self.index, delta=ChatDelta(content=text[len(sent):])))
         if c.finished():
             message, finish = self.tools.reply(c)
-            rest = message["content"]
+            rest = message.content
             if rest is not None and sent:
                 rest = rest[len(sent):] if rest.startswith(sent) else None
-            delta = {"content": rest} if rest else {}
-            if message.get("tool_calls"):
-                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
-            out.append(_choice(self.index, delta))
-            out.append(_choice(self.index, {}, finish, stop_reason=c.stop_reason, final=True))
+            delta = ChatDelta(content=rest) if rest else ChatDelta()
+            if message.tool_calls:
+                delta.tool_calls = [call.as_delta(i) for i, call in enumerate(message.tool_calls)]
+            out.append(ChatChunkChoice(index=self.index, delta=delta))
+            out.append(_last(self.index, finish, c.stop_reason))
         return out
 
 

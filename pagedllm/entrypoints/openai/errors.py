@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from pagedllm.entrypoints.openai.bodies import ErrorDetail, ErrorResponse
+
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
           500: "InternalServerError", 503: "ServiceUnavailableError"}
 
@@ -15,7 +17,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "Error"), "param": param, "code": status}}
+    detail = ErrorDetail(message=message, type=_TYPES.get(status, "Error"), param=param, code=status)
+    return ErrorResponse(error=detail).to_json()
 
 
 def error_response(status: int, message: str, param: str | None = None,

@@ -7,7 +7,7 @@ import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -18,10 +18,8 @@ from pagedllm.audio.io import AUDIO_CONTENT_TYPES
 from pagedllm.entrypoints.openai.audio_args import AudioServerConfig
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
 from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S, ServerGuard, default_max_body_bytes, open_paths
-from pagedllm.entrypoints.openai.openapi import (
-    GENERATION,
-    READ_ONLY,
-    TOKENIZER,
+from pagedllm.entrypoints.openai.bodies import (
+    Body,
     ChatCompletionChunk,
     ChatCompletionResponse,
     CompletionResponse,
@@ -30,8 +28,14 @@ from pagedllm.entrypoints.openai.openapi import (
     ModelCard,
     ModelList,
     TokenizeResponse,
+    TokenizerInfo,
     VersionResponse,
     VoiceList,
+)
+from pagedllm.entrypoints.openai.openapi import (
+    GENERATION,
+    READ_ONLY,
+    TOKENIZER,
     error_responses,
     json_ok,
     stream_ok,
@@ -140,9 +144,9 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
 
     app.head("/health", include_in_schema=False)(health)  # load balancers probe with HEAD
 
-    @app.get("/version", response_model=VersionResponse)
+    @app.get("/version", responses={200: json_ok(VersionResponse, "The server's version")})
     async def version():
-        return {"version": pagedllm.__version__}
+        return JSONBody(VersionResponse(version=pagedllm.__version__))
 
     @app.get("/metrics", responses={200: {"description": "Prometheus text format",
                                           "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}},
@@ -153,12 +157,11 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
 
     @app.get("/v1/models", dependencies=v1, responses={200: json_ok(ModelList, "The served model names"), **READ_ONLY})
     async def models():
-        return {"object": "list", "data": [model_card(name) for name in served_names]}
+        return JSONBody(ModelList(data=[model_card(name) for name in served_names]))
 
-    def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": created, "owned_by": "pagedllm",
-                "root": str(llm_engine.config.model.path), "parent": None,
-                "max_model_len": llm_engine.config.model.max_model_len}
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, created=created, owned_by="pagedllm", root=str(llm_engine.config.model.path),
+                         parent=None, max_model_len=llm_engine.config.model.max_model_len)
 
     @app.get("/v1/models/{model_id:path}", dependencies=v1,
              responses={200: json_ok(ModelCard, "The model"), **error_responses(401, 404, 503)})
@@ -166,11 +169,11 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         """OpenAI's models.retrieve (names may hold slashes: "Qwen/Qwen2.5-0.5B")."""
         if model_id not in served_names:
             raise APIError(404, f"The model `{model_id}` does not exist. Served: {', '.join(served_names)}.", "model")
-        return model_card(model_id)
+        return JSONBody(model_card(model_id))
 
     async def respond(result):
-        if isinstance(result, dict):
-            return JSONResponse(result)
+        if isinstance(result, Body):
+            return JSONBody(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
     @app.post("/v1/completions", dependencies=v1,
@@ -203,7 +206,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
     @app.get("/v1/audio/voices", dependencies=v1, include_in_schema=with_audio,
              responses={200: json_ok(VoiceList, "The voice presets"), **error_responses(400, 401, 503)})
     async def voices():
-        return serving_audio.list_voices(_audio())
+        return JSONBody(serving_audio.list_voices(_audio()))
 
     @app.post("/tokenize", dependencies=v1, responses={200: json_ok(TokenizeResponse, "Token ids"), **TOKENIZER})
     async def tokenize(body: TokenizeRequest):
@@ -216,7 +219,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
             _, ids = await ctx.render_chat(msgs, chat_template, body.add_generation_prompt)
         else:
             ids = await ctx.tokenize(body.prompt, "prompt", body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+        return JSONBody(TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids))
 
     @app.post("/detokenize", dependencies=v1,
               responses={200: json_ok(DetokenizeResponse, "The text"), **TOKENIZER})
@@ -227,37 +230,40 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         if bad:
             raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         tokenizer = ctx._tokenizer()
-        return {"prompt": await ctx.run(tokenizer.decode, body.tokens)}
+        return JSONBody(DetokenizeResponse(prompt=await ctx.run(tokenizer.decode, body.tokens)))
 
-    @app.get("/tokenizer_info", dependencies=v1, responses={200: {"description": "The tokenizer's settings"},
-                                                             **READ_ONLY})
+    @app.get("/tokenizer_info", dependencies=v1,
+             responses={200: json_ok(TokenizerInfo, "The tokenizer's settings"), **READ_ONLY})
     async def tokenizer_info():
         tok = llm_engine.tokenizer  # (attributes only: read here, nothing runs on the engine thread)
         if tok is None:
-            return {"tokenizer": None}
-        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token,
-                "eos_token_id": tok.eos_token_id, "bos_token": tok.bos_token,
-                "bos_token_id": tok.bos_token_id, "pad_token": tok.pad_token, "pad_token_id": tok.pad_token_id,
-                "chat_template": chat_template or getattr(tok, "chat_template", None),
-                "model_max_length": ctx.max_model_len, "vocab_size": llm_engine.config.model.vocab_size}
+            return JSONBody(TokenizerInfo(tokenizer=None))
+        return JSONBody(TokenizerInfo(
+            tokenizer_class=type(tok).__name__, eos_token=tok.eos_token, eos_token_id=tok.eos_token_id,
+            bos_token=tok.bos_token, bos_token_id=tok.bos_token_id, pad_token=tok.pad_token,
+            pad_token_id=tok.pad_token_id, chat_template=chat_template or getattr(tok, "chat_template", None),
+            model_max_length=ctx.max_model_len, vocab_size=llm_engine.config.model.vocab_size))
 
     @app.get("/v1/memory", dependencies=v1, responses={200: json_ok(MemoryResponse, "Memory plan and KV cache use"),
                                                         **READ_ONLY})
     async def memory():
         def snapshot(e):
             return e.stats(with_requests=True).memory_json()
-        return await engine.call(snapshot)
+        return JSONBody(MemoryResponse(**await engine.call(snapshot)))
 
     return app
+
+
+class JSONBody(Response):
+    """A 200 whose body is one of bodies.py's models, as JSON."""
+
+    media_type = "application/json"
+
+    def __init__(self, body: Body) -> None:
+        super().__init__(body.model_dump_json(exclude_unset=True))
 
 
 def _is_union_tag(part) -> bool:
     """A validation error's location names the member of a union it was tried against ("str", "list[int]");
     the API's `param` is the field, not that."""
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part)
-
-
-# -- command line ---------------------------------------------------------------------------------
-
-# vLLM flags pagedllm does not implement yet, with the value at which they change nothing.
-# Anything else is refused at start-up: a flag is never accepted and silently ignored.

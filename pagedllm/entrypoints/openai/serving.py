@@ -13,6 +13,17 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestAbortedError
+from pagedllm.entrypoints.openai.bodies import (
+    Body,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    Usage,
+)
 from pagedllm.entrypoints.openai.errors import APIError, error_body, param_of
 from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S
 from pagedllm.entrypoints.openai.generation_defaults import GenerationDefaults
@@ -212,7 +223,10 @@ def _sampling_params(ctx: ServingContext, req, max_tokens: int | None, logprobs:
     return params
 
 
-def _sse(obj: dict | str) -> str:
+def _sse(obj: Body | dict | str) -> str:
+    """One server-sent event: a body, an error (a dict from error_body) or "[DONE]"."""
+    if isinstance(obj, Body):
+        return obj.sse()
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
@@ -345,7 +359,7 @@ def _completion_prompts(prompt) -> list:
     return [{"prompt_token_ids": p} for p in prompt]
 
 
-def _completion_logprobs(entries, decode_token, first_offset: int = 0) -> dict:
+def _completion_logprobs(entries, decode_token, first_offset: int = 0) -> CompletionLogprobs:
     """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset. `decode_token(id)`: the
     text of a token that has no logprob entry (the first prompt token of an echo), which is still a token."""
     tokens, token_lps, tops, offsets = [], [], [], []
@@ -366,13 +380,14 @@ def _completion_logprobs(entries, decode_token, first_offset: int = 0) -> dict:
         tops.append({(lp.decoded_token or ""): json_logprob(lp.logprob) for lp in entry.values()})
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+    return CompletionLogprobs(tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets)
 
 
 def _chunk_usage(options):
     """What a stream's chunks carry besides their choices: with stream_options.include_usage, "usage": null
     (the totals come in a last chunk of their own), or with continuous_usage_stats the counts so far (vLLM)."""
     def field(out: RequestOutput | None) -> dict:
+        """The chunk's keyword arguments: none (no usage field), or usage."""
         if options is None or not (options.include_usage or options.continuous_usage_stats):
             return {}
         if options.continuous_usage_stats and out is not None:
@@ -382,10 +397,10 @@ def _chunk_usage(options):
     return field
 
 
-def _usage(outputs: list[RequestOutput]) -> dict:
+def _usage(outputs: list[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in outputs if o is not None)
     completion = sum(len(c.token_ids) for o in outputs if o is not None for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
@@ -422,10 +437,9 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     text = prompt_text(out) + text
                     entries = echo_entries(out) + entries
                 logprobs = _completion_logprobs(entries, decode_token) if req.logprobs is not None else None
-                choices.append({"index": i * n + c.index, "text": text, "logprobs": logprobs,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(outputs)}
+                choices.append(CompletionChoice(index=i * n + c.index, text=text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=rid, created=created, model=model, choices=choices, usage=_usage(outputs))
 
     usage_field = _chunk_usage(req.stream_options)
 
@@ -446,15 +460,16 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
                     if not delta and not entries and t1 == t0 and not c.finished():
                         continue  # nothing new (a token's text may still be held back: it is sent later)
                     logprobs = _completion_logprobs(entries, decode_token) if req.logprobs is not None else None
-                    yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [{"index": i * n + c.index, "text": delta, "logprobs": logprobs,
-                                             "finish_reason": c.finish_reason if c.finished() else None,
-                                             "stop_reason": c.stop_reason}]} | usage_field(out))
+                    choice = CompletionChoice(index=i * n + c.index, text=delta, logprobs=logprobs,
+                                              finish_reason=c.finish_reason if c.finished() else None,
+                                              stop_reason=c.stop_reason)
+                    yield _sse(CompletionResponse(id=rid, created=created, model=model, choices=[choice],
+                                                  **usage_field(out)))
                 if out.finished:
                     finals[i] = out
             if req.stream_options and req.stream_options.include_usage:
-                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                            "choices": [], "usage": _usage(list(finals.values()))})
+                yield _sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
+                                              usage=_usage(list(finals.values()))))
         except Exception as e:  # an error after the stream started: an error chunk, then [DONE]
             yield _sse(stream_error(e))
         yield _sse("[DONE]")
@@ -522,18 +537,17 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         choices = []
         for c in out.outputs:
             message, finish = tools.reply(c)
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
-                            if req.logprobs else None, "finish_reason": finish, "stop_reason": c.stop_reason})
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage([out])}
+            choices.append(ChatChoice(index=c.index, message=message,
+                                      logprobs=chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                                      if req.logprobs else None, finish_reason=finish, stop_reason=c.stop_reason))
+        return ChatCompletionResponse(id=rid, created=created, model=model, choices=choices, usage=_usage([out]))
 
     usage_field = _chunk_usage(req.stream_options)
     current: list[RequestOutput] = []  # the output the chunks being written come from
 
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
-        return _sse(body | ({"usage": usage} if usage is not None else usage_field(current[-1] if current else None)))
+    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        extra = {"usage": usage} if usage is not None else usage_field(current[-1] if current else None)
+        return _sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, **extra))
 
     async def events():
         streamers: dict[int, ChoiceStreamer] = {}

@@ -44,6 +44,18 @@ from pagedllm.audio.prompt import (
 from pagedllm.audio.streaming import CHUNK_FRAMES, CONTEXT_FRAMES, SilenceStop, StreamingDecoder
 from pagedllm.audio.tokenizer import AudioTokenizer
 from pagedllm.audio.voices import VoicePreset
+from pagedllm.entrypoints.openai.bodies import (
+    ChatAudio,
+    ChatAudioDelta,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    Voice,
+    VoiceList,
+)
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, SpeechRequest
 from pagedllm.entrypoints.openai.serving import (
@@ -308,13 +320,11 @@ async def create_audio_chat_completion(a: AudioServing, req: ChatCompletionReque
         return _chat_audio_events(a, stream, decoder, silence, req, ids, audio_id, transcript)
     out, samples, silent = await _whole_audio(a, stream, decoder, silence, raw)
     data = base64.b64encode(write_audio(samples, a.tokenizer.sampling_rate, fmt)).decode("ascii")
-    message = {"role": "assistant", "content": None,
-               "audio": {"id": audio_id, "data": data, "expires_at": created + AUDIO_EXPIRES_S,
-                         "transcript": transcript}}
-    return {"id": ids["id"], "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": "stop" if silent else out.outputs[0].finish_reason}],
-            "usage": _usage([out])}
+    message = ChatMessageOut(content=None, audio=ChatAudio(id=audio_id, data=data, transcript=transcript,
+                                                           expires_at=created + AUDIO_EXPIRES_S))
+    choice = ChatChoice(index=0, message=message, logprobs=None,
+                        finish_reason="stop" if silent else out.outputs[0].finish_reason)
+    return ChatCompletionResponse(**ids, choices=[choice], usage=_usage([out]))
 
 
 async def _chat_audio_events(a: AudioServing, stream: AsyncIterator[RequestOutput], decoder: StreamingDecoder,
@@ -325,12 +335,11 @@ async def _chat_audio_events(a: AudioServing, stream: AsyncIterator[RequestOutpu
     usage when asked for."""
     usage_field = _chunk_usage(req.stream_options)
 
-    def chunk(delta: dict, out: RequestOutput | None, finish: str | None = None) -> str:
-        return _sse({"object": "chat.completion.chunk", **ids,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-                    | usage_field(out))
+    def chunk(delta: ChatDelta, out: RequestOutput | None, finish: str | None = None) -> str:
+        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
+        return _sse(ChatCompletionChunk(**ids, choices=[choice], **usage_field(out)))
 
-    yield chunk({"role": "assistant", "content": None}, None)
+    yield chunk(ChatDelta(role="assistant", content=None), None)
     final, first, silent = None, True, False
     rate = a.tokenizer.sampling_rate
     try:
@@ -339,14 +348,13 @@ async def _chat_audio_events(a: AudioServing, stream: AsyncIterator[RequestOutpu
                 final = out
                 for chunk_samples in samples:
                     data = to_pcm16(chunk_samples, rate)
-                    audio = {"id": audio_id, "data": base64.b64encode(data).decode("ascii")}
-                    if first:
-                        audio |= {"transcript": transcript, "expires_at": ids["created"] + AUDIO_EXPIRES_S}
-                        first = False
-                    yield chunk({"audio": audio}, out)
-        yield chunk({}, final, "stop" if silent else final.outputs[0].finish_reason)
+                    opening = {"transcript": transcript, "expires_at": ids["created"] + AUDIO_EXPIRES_S}
+                    opening, first = (opening if first else {}), False
+                    audio = ChatAudioDelta(id=audio_id, data=base64.b64encode(data).decode("ascii"), **opening)
+                    yield chunk(ChatDelta(audio=audio), out)
+        yield chunk(ChatDelta(), final, "stop" if silent else final.outputs[0].finish_reason)
         if req.stream_options and req.stream_options.include_usage:
-            yield _sse({"object": "chat.completion.chunk", **ids, "choices": [], "usage": _usage([final])})
+            yield _sse(ChatCompletionChunk(**ids, choices=[], usage=_usage([final])))
     except Exception as e:
         yield _sse(stream_error(e))
     yield _sse("[DONE]")
@@ -413,6 +421,6 @@ async def _input_audio(a: AudioServing, spec, where: str) -> torch.Tensor:
 
 # -- GET /v1/audio/voices ---------------------------------------------------------------------------
 
-def list_voices(a: AudioServing) -> dict:
-    return {"object": "list", "data": [{"id": v.name, "object": "voice", "name": v.name, "format": v.format,
-                                        "transcript": v.transcript} for v in a.voices.values()]}
+def list_voices(a: AudioServing) -> VoiceList:
+    return VoiceList(data=[Voice(id=v.name, name=v.name, format=v.format, transcript=v.transcript)
+                           for v in a.voices.values()])

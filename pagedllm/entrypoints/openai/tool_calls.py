@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from pagedllm.entrypoints.openai.bodies import FunctionCall, ToolCallOut
 from pagedllm.errors import InvalidParameterError
 from pagedllm.structured_output import GuidedDecodingParams
 
@@ -29,10 +30,10 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
-    def to_openai(self, index: int | None = None) -> dict:
-        call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
-        return call if index is None else {"index": index, **call}
+    def to_openai(self) -> ToolCallOut:
+        """The call as `message.tool_calls[]` (a new id each time)."""
+        return ToolCallOut(id=f"call_{uuid.uuid4().hex[:24]}",
+                           function=FunctionCall(name=self.name, arguments=self.arguments))
 
 
 def _tool_schema(tool: dict) -> dict:

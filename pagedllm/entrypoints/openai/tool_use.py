@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedllm.entrypoints.openai.bodies import ChatMessageOut
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.tool_calls import calls_from_constrained, check_tools, constraint_for, parse_tool_calls
@@ -48,9 +49,9 @@ class ToolUse:
         """The tools the chat template is given (none with tool_choice none, as vLLM by default)."""
         return list(self.tools.values()) if self.active else None
 
-    def reply(self, c: CompletionOutput) -> tuple[dict, str | None]:
+    def reply(self, c: CompletionOutput) -> tuple[ChatMessageOut, str | None]:
         """(message, finish_reason) of a finished sample."""
-        message = {"role": "assistant", "content": c.text}
+        message = ChatMessageOut(content=c.text)
         if not self.active:
             return message, c.finish_reason
         if self.constraint is not None:
@@ -58,8 +59,8 @@ class ToolUse:
                 return message, c.finish_reason
             calls = calls_from_constrained(c.text, self.choice)
             finish = "stop" if isinstance(self.choice, dict) else "tool_calls"  # (as OpenAI)
-            return {"role": "assistant", "content": None, "tool_calls": [t.to_openai() for t in calls]}, finish
+            return ChatMessageOut(content=None, tool_calls=[t.to_openai() for t in calls]), finish
         content, calls = parse_tool_calls(self.parser, c.text)
         if not calls:
             return message, c.finish_reason
-        return {"role": "assistant", "content": content, "tool_calls": [t.to_openai() for t in calls]}, "tool_calls"
+        return ChatMessageOut(content=content, tool_calls=[t.to_openai() for t in calls]), "tool_calls"
