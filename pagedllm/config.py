@@ -89,6 +89,7 @@ class ModelConfig:
     cpu_offload_bytes: int = 0  # whole decoder layers' weights kept in host memory (--cpu-offload-gb)
     # Audio models: repetition-aware sampling as the checkpoint's generation_config.json sets it (True), or off.
     repetition_aware_sampling: bool = True
+    max_logprobs: int = 20  # most logprobs a request may ask for (more than the vocabulary would fail a step)
 
     @property
     def model_max_len(self) -> int:

@@ -289,9 +289,17 @@ def test_hub_name_resolved_through_local_cache(tmp_path, tiny_models, monkeypatc
         LLM("acme/not-there")
 
 
-def test_logprobs_beyond_the_vocabulary_refused(llm):
-    with pytest.raises(ValueError, match="logprobs must be at most the vocabulary size"):
-        llm.generate([[1, 2]], greedy(logprobs=10**6), use_tqdm=False)
+def test_logprobs_past_max_logprobs_refused(llm, tiny_models):
+    with pytest.raises(ValueError, match=r"logprobs must be at most 20 \(max_logprobs"):  # vLLM's default
+        llm.generate([[1, 2]], greedy(logprobs=21), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate([[1, 2]], greedy(prompt_logprobs=10**6), use_tqdm=False)
     assert len(llm.generate([[1, 2]], greedy(logprobs=2), use_tqdm=False)[0].outputs[0].logprobs) == 12
+    whole = LLM(str(tiny_models["llama"]), dtype="float32", max_model_len=32, max_logprobs=-1)
+    vocab = whole.llm_engine.config.model.vocab_size
+    (out,) = whole.generate([[1, 2]], greedy(2, logprobs=vocab), use_tqdm=False)[0].outputs
+    assert [len(entry) for entry in out.logprobs] == [vocab, vocab]  # every token's logprob
+    with pytest.raises(ValueError, match=f"at most {vocab}"):  # more than the vocabulary would fail the step
+        whole.generate([[1, 2]], greedy(2, logprobs=vocab + 1), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs must be -1"):
+        LLM(str(tiny_models["llama"]), max_logprobs=-2)

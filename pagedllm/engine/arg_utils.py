@@ -94,6 +94,8 @@ class EngineArgs:
                                            "model's; auto: the longest that fits in memory", parse=_read_max_model_len)
     block_size: int = flag(16, "tokens per KV cache block (a power of two up to 256)")
     max_num_seqs: int = flag(256, "sequences running at once")
+    max_logprobs: int = flag(20, "most logprobs (and prompt_logprobs) a request may ask for; -1: up to the "
+                                 "vocabulary size")
     max_num_batched_tokens: int | None = flag(None, "tokens one step computes (prefill chunks and decodes); "
                                               "default 2048")
     gpu_memory_utilization: float = flag(0.9, "fraction of device memory the engine may take (on CPU: of host "
@@ -210,6 +212,7 @@ class EngineArgs:
             load_format=self.load_format, seed=self.seed,
             tokenizer=tokenizer, quantization=self.quantization, cpu_offload_bytes=cpu_offload_bytes,
             repetition_aware_sampling=self.repetition_aware_sampling,
+            max_logprobs=self._max_logprobs(hf_config.vocab_size),
         )
         cache = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
@@ -227,6 +230,11 @@ class EngineArgs:
                             batch_invariant=self._batch_invariant(), parallel=parallel,
                             structured_outputs=self._structured_output_limits(),
                             request_template_worker=self.trust_request_chat_template)
+
+    def _max_logprobs(self, vocab_size: int) -> int:
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (the vocabulary size) or >= 0, got {self.max_logprobs}.")
+        return vocab_size if self.max_logprobs == -1 else min(self.max_logprobs, vocab_size)
 
     def _structured_output_limits(self) -> StructuredOutputLimits:
         return StructuredOutputLimits(

@@ -143,11 +143,12 @@ class InputProcessor:
             raise InvalidPromptError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
 
     def _validate_params(self, params: SamplingParams) -> None:
-        vocab = self.config.model.vocab_size
+        vocab, most = self.config.model.vocab_size, self.config.model.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > vocab:
-                raise InvalidParameterError(name, f"{name} must be at most the vocabulary size ({vocab}), got {value}.")
+            if value is not None and value > most:
+                raise InvalidParameterError(name, f"{name} must be at most {most} (max_logprobs; -1 allows up to "
+                                                  f"the vocabulary size, {vocab}), got {value}.")
         bad_bias = [t for t in params.logit_bias or {} if t >= vocab]
         if bad_bias:
             raise InvalidParameterError("logit_bias", f"logit_bias token ids {bad_bias[:5]} are outside the vocabulary "

@@ -352,6 +352,8 @@ def test_the_openapi_document_lists_the_statuses_and_bodies_the_server_sends(ser
     assert "/v1/audio/speech" not in doc["paths"]  # a text model: no audio routes documented
     tokens = doc["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert tokens["type"] == "integer" and tokens["minimum"] == 0 and tokens["maximum"] > 0
+    top = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["top_logprobs"]["anyOf"][0]
+    assert top == {"type": "integer", "minimum": 0, "maximum": 20}  # the server's --max-logprobs
 
 
 def test_what_third_party_clients_send_is_accepted(server_url, http):

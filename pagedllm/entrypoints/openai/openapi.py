@@ -44,10 +44,12 @@ TOKENIZER = error_responses(400, 401, 404, 413, 503)
 READ_ONLY = error_responses(401, 503)
 
 
-def truthful_openapi(app: FastAPI, open_paths: frozenset[str], api_key: bool, audio: bool, vocab_size: int) -> dict:
+def truthful_openapi(app: FastAPI, open_paths: frozenset[str], api_key: bool, audio: bool, vocab_size: int,
+                     max_logprobs: int) -> dict:
     """FastAPI's document without what the server never sends (422: validation errors are 400s here), with
     each error status's body, (with an API key) the bearer scheme on every route but `open_paths`, and the
-    limits of this server's model: token ids below its vocabulary size, and without audio no audio fields."""
+    limits of this server: token ids below its vocabulary size, logprobs up to --max-logprobs, and without
+    audio no audio fields."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
@@ -73,6 +75,12 @@ def truthful_openapi(app: FastAPI, open_paths: frozenset[str], api_key: bool, au
     tokens = schemas.get("DetokenizeRequest", {}).get("properties", {}).get("tokens", {})
     if "items" in tokens:
         tokens["items"]["maximum"] = vocab_size - 1
+    for request in ("CompletionRequest", "ChatCompletionRequest"):
+        fields = schemas.get(request, {}).get("properties", {})
+        for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+            for branch in fields.get(name, {}).get("anyOf", []):
+                if branch.get("type") == "integer":
+                    branch["maximum"] = max_logprobs
     chat = schemas.get("ChatCompletionRequest", {}).get("properties", {})
     if not audio and chat:  # a text model: no audio out, so only "text" and no audio settings
         chat["modalities"] = {"anyOf": [{"type": "array", "items": {"const": "text"}}, {"type": "null"}],

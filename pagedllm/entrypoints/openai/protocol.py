@@ -46,9 +46,6 @@ class LenientModel(BaseModel):
 
 
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-# vLLM's default --max-logprobs. More than the vocabulary fails the engine step (torch.topk), and
-# with it every running request: such a request is refused before it reaches the engine.
-MAX_LOGPROBS = 20
 MAX_AUDIO_CHUNK_FRAMES = 250  # 10 s of audio at 25 frames/s in one streamed chunk
 MAX_AUDIO_OVERLAP_FRAMES = 64  # frames of context decoded each side of a chunk
 MAX_SILENCE_FRAMES = 1500  # a minute at 25 frames/s
@@ -105,7 +102,7 @@ class _SamplingRequest(LenientModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0)  # (at most --max-logprobs)
     logit_bias: dict[str, float] | None = None
     # vLLM's: requests with different salts never share prefix-cache blocks (no timing side channel).
     cache_salt: str | None = Field(default=None, min_length=1)
@@ -181,7 +178,7 @@ def _token_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0)  # (at most --max-logprobs)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
@@ -226,7 +223,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=0)  # (at most --max-logprobs)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

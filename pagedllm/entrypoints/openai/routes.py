@@ -76,7 +76,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
                                           body_timeout_s, max_prompt_tokens=max_model_len,
                                           open_paths=open_paths(metrics_need_key))
     app.openapi = lambda: truthful_openapi(app, guard.open_paths, api_key is not None, app.state.audio is not None,
-                                           llm_engine.config.model.vocab_size)
+                                           llm_engine.config.model.vocab_size, llm_engine.config.model.max_logprobs)
     app.state.audio = None
     if audio is not None and audio.enabled:
         from pagedllm.entrypoints.openai.audio_setup import create_audio_serving

@@ -38,7 +38,7 @@ from pagedllm.entrypoints.openai.chat_stream import (
     streamer_for,
 )
 from pagedllm.entrypoints.openai.tool_use import ToolUse
-from pagedllm.entrypoints.openai.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.errors import InvalidParameterError, InvalidPromptError
 from pagedllm.isolated_worker import WorkerCancelled
 from pagedllm.outputs import RequestOutput
@@ -213,13 +213,15 @@ def _sampling_params(ctx: ServingContext, req, max_tokens: int | None, logprobs:
     except ValueError as e:
         raise APIError(400, str(e), param_of(e)) from None
     # Values SamplingParams accepts but the server cannot serve: an n of 2**70 would stall the
-    # engine thread creating samples; too many logprobs would fail the engine step.
-    max_n = ctx.engine.engine.config.scheduler.max_num_seqs
-    if params.n > max_n:
-        raise APIError(400, f"n must be at most {max_n} (the server's --max-num-seqs), got {params.n}.", "n")
+    # engine thread creating samples; logprobs past --max-logprobs are refused as the request names them.
+    config = ctx.engine.engine.config
+    if params.n > config.scheduler.max_num_seqs:
+        raise APIError(400, f"n must be at most {config.scheduler.max_num_seqs} (the server's --max-num-seqs), "
+                            f"got {params.n}.", "n")
+    most = config.model.max_logprobs
     for param, value in ((logprobs_param, params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
-        if value is not None and value > MAX_LOGPROBS:
-            raise APIError(400, f"{param} must be at most {MAX_LOGPROBS}, got {value}.", param)
+        if value is not None and value > most:
+            raise APIError(400, f"{param} must be at most {most} (the server's --max-logprobs), got {value}.", param)
     return params
 
 
