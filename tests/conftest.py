@@ -31,7 +31,7 @@ if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PYTEST_XDIST_WORKER
     torch.set_num_threads(1)
 
 from pagedllm.model_executor.cpu_isa import available_cpu_isas, expected_cpu_isas
-from tests.helpers import ARCHS, hf_greedy, load_hf_model, make_tiny_model
+from tests.helpers import ARCHS, MOE_ARCHS, hf_greedy, load_hf_model, make_tiny_model
 
 __all__ = ["hf_greedy", "load_hf_model", "make_tiny_model"]
 
@@ -113,7 +113,7 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """arch -> folder of a tiny checkpoint (built once per test session, ~0.5 s each)."""
     root = tmp_path_factory.mktemp("tiny_models")
-    return {arch: make_tiny_model(root / arch, arch) for arch in ARCHS}
+    return {arch: make_tiny_model(root / arch, arch) for arch in ARCHS + MOE_ARCHS}
 
 
 @dataclass

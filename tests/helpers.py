@@ -23,6 +23,7 @@ FINAL_NORM_SCALE = 4.0  # scales the logits: std ~5 instead of ~1.2, so top-2 ga
 SEED = 0
 
 ARCHS: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHS: tuple[str, ...] = ("qwen3_moe", "mixtral", "gpt_oss")  # mixtures of experts
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 64,
@@ -76,6 +77,45 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "rope_theta": 1000000.0,
         "rope_scaling": None,
     },
+    # Qwen3-MoE: 8 experts of width 32, top-2 renormalized; layer 1 dense (mlp_only_layers), 0 and 2 sparse.
+    "qwen3_moe": {
+        "head_dim": 32,
+        "num_hidden_layers": 3,
+        "tie_word_embeddings": False,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+        "use_sliding_window": False,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+    },
+    # gpt-oss: 4 experts of width 64 with biases, top-2; sliding window of 8 on layers 0 and 2, sinks, YaRN.
+    "gpt_oss": {
+        "head_dim": 16,
+        "num_hidden_layers": 3,
+        "max_position_embeddings": 2048,  # (YaRN's 32 x 64)
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "attention_bias": True,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False},
+    },
+    # Mixtral: 4 experts of width 128 (intermediate_size), top-2.
+    "mixtral": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+    },
 }
 
 
@@ -87,6 +127,9 @@ def _classes(arch: str) -> tuple[type, type]:
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
         "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+        "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+        "gpt_oss": (tf.GptOssConfig, tf.GptOssForCausalLM),
     }
     if arch not in table:
         raise ValueError(f"unknown arch {arch!r}; expected one of {sorted(table)}")

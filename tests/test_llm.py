@@ -199,7 +199,8 @@ def test_unknown_llm_argument_is_refused(tiny_models):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}, "yarn"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0, "short_factor": [1.0] * 8,
+                           "long_factor": [2.0] * 8, "original_max_position_embeddings": 128}}, "longrope"),
         ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
     ],
 )
@@ -207,13 +208,6 @@ def test_unsupported_rope_is_refused_by_name(tmp_path, overrides, match):
     path = make_tiny_model(tmp_path / "m", "llama", **overrides)
     with pytest.raises(UnsupportedModelError, match=match):
         LLM(str(path), dtype="float32")
-
-
-def test_sliding_window_refused_when_it_matters(tmp_path):
-    path = make_tiny_model(tmp_path / "m", "mistral", sliding_window=32)
-    with pytest.raises(UnsupportedModelError, match="sliding_window=32"):
-        LLM(str(path), dtype="float32", max_model_len=128)
-    assert LLM(str(path), dtype="float32", max_model_len=32).generate([[1, 2]], greedy(3), use_tqdm=False)
 
 
 def test_unknown_architecture_refused(tmp_path, tiny_models):

@@ -13,6 +13,7 @@ import torch
 
 from pagedllm.config import QUANTIZATION_METHODS
 from pagedllm.model_executor.cpu_ops import cpu_has_bf16_arithmetic
+from pagedllm.model_executor.moe import FusedMoE
 
 
 CPU = torch.device("cpu")
@@ -61,11 +62,12 @@ def measure_matmul(dtype: torch.dtype, size: int = 2048, repeats: int = 5, devic
 
 
 def decode_floor(num_params: int, weight_bytes: int, kv_bytes_per_token: int, batch: int, context: int,
-                 bandwidth: float, flops_rate: float) -> dict:
+                 bandwidth: float, flops_rate: float, active: tuple[float, float] = (1.0, 1.0)) -> dict:
     """One decode step reads every weight once and each sequence's KV cache; computes 2 flops per
-    parameter per token (plus attention, small at these lengths)."""
-    bytes_read = weight_bytes + batch * context * kv_bytes_per_token
-    flops = 2 * num_params * batch
+    parameter per token (plus attention, small at these lengths). `active`: the shares of the weights read
+    and of the parameters each token uses (a mixture of experts': model_size.decode_active_share)."""
+    bytes_read = int(weight_bytes * active[0]) + batch * context * kv_bytes_per_token
+    flops = 2 * num_params * active[1] * batch
     t_mem, t_compute = bytes_read / bandwidth, flops / flops_rate
     return {"bytes": bytes_read, "flops": flops, "floor_s": max(t_mem, t_compute),
             "bound": "memory" if t_mem >= t_compute else "compute"}
@@ -124,13 +126,20 @@ def measure_gemm_time(model, batch: int, repeats: int = 5, device: torch.device 
 
     dtype = next(model.parameters()).dtype
     linears = [m for layer in model.decoder_layers() for m in layer.modules() if isinstance(m, nn.Linear)]
+    experts = [m for layer in model.decoder_layers() for m in layer.modules() if isinstance(m, FusedMoE)]
     inputs = {m.in_features: torch.randn(batch, m.in_features, device=device).to(dtype) for m in linears}
     hidden = torch.randn(batch, model.config.hidden_size, device=device).to(dtype)
     kwargs = {"vocab_major": True} if "vocab_major" in inspect.signature(model.compute_logits).parameters else {}
+    if experts:  # each row to top_k experts drawn at random, as a router spreads them
+        k, e = model.config.num_experts_per_tok, experts[0].num_experts
+        ids = torch.stack([torch.randperm(e, device=device)[:k] for _ in range(batch)])
+        weights = torch.full((batch, k), 1.0 / k, device=device).to(dtype)
 
     def run() -> None:
         for m in linears:
             m(inputs[m.in_features])
+        for m in experts:
+            m(hidden, weights, ids)
         model.compute_logits(hidden, **kwargs)
 
     return _best_time(run, repeats, device)
@@ -200,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pagedllm import LLM
     from pagedllm.utils import parse_size
-    from pagedllm.memory.model_size import kv_bytes_per_token, num_params_from_config
+    from pagedllm.memory.model_size import decode_active_share, kv_bytes_per_token, num_params_from_config
 
     # Room for the timed steps, plus the decode steps of sequences prefilled in an early chunk while the
     # rest of the batch's prompts are prefilled (2048 tokens a step, the engine's default).
@@ -228,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         times = measure_decode_steps(llm, b, args.prompt_len, args.steps, args.seed, before_each=machine.sample)
         machine.sample()
         bandwidth, rate = machine.bandwidth, machine.matmul_rate
-        floor = decode_floor(num_params, weights, kv_tok, b, args.prompt_len, bandwidth, rate)
+        floor = decode_floor(num_params, weights, kv_tok, b, args.prompt_len, bandwidth, rate,
+                             decode_active_share(cfg.hf_config, b))
         best, median = min(times), statistics.median(times)
         gemm = measure_gemm_time(model, b, device=device)
         achieved = floor["flops"] / best / rate

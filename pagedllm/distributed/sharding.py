@@ -1,19 +1,21 @@
 """Which part of each weight a tensor-parallel rank holds (Megatron-style), and which sizes work.
 
-- Column-parallel: q/k/v and gate/up split by output rows. Query heads are split evenly; KV heads too
-  when there are at least as many as ranks, else each KV head is replicated on the ranks whose query
-  heads read it (ranks / kv_heads of them).
+- Column-parallel: q/k/v and gate/up (each expert's too) split by output rows. Query heads are split
+  evenly; KV heads too when there are at least as many as ranks, else each KV head is replicated on the
+  ranks whose query heads read it (ranks / kv_heads of them).
 - Row-parallel: o_proj and down_proj split by input columns; their partial products are summed by one
   all-reduce each. A bias there is added once: rank 0 holds it, the others hold zeros.
 - Vocab-parallel: embedding and LM head split by vocabulary rows, ceil(vocab / ranks) each, the last
   shard padded with zero rows (their logits are cut off after the gather).
-- Everything else (norms, rotary tables, KV-cache scales) is replicated.
+- Attention sinks (gpt-oss) split with their query heads. Everything else (norms, rotary tables, KV-cache
+  scales, MoE routers) is replicated; stacked expert tensors are read whole and sliced by the model.
 Each rank reads only its slice of a checkpoint tensor (safetensors' get_slice): no rank reads the
 whole checkpoint into memory."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedllm.model_executor.moe import expert_width
 from pagedllm.utils import cdiv
 
 # How a checkpoint tensor is split, by the name of the module it belongs to (`model.layers.0.mlp.up_proj.weight`:
@@ -22,6 +24,7 @@ from pagedllm.utils import cdiv
 _SPLITS = {
     "q_proj": "q", "k_proj": "kv", "v_proj": "kv", "gate_proj": "column", "up_proj": "column",
     "o_proj": "row", "down_proj": "row", "embed_tokens": "vocab", "lm_head": "vocab",
+    "w1": "column", "w3": "column", "w2": "row",  # Mixtral's experts: gate, up, down
 }
 ROW_PARALLEL = frozenset(m for m, kind in _SPLITS.items() if kind == "row")  # their all-reduce follows
 
@@ -34,11 +37,12 @@ def _attention_sizes(hf_config) -> tuple[int, int, int, int]:
 
 
 def tensor_parallel_sizes(hf_config) -> list[int]:
-    """The tensor-parallel sizes a model splits into: dividing its query heads and its MLP width, and
-    dividing or divided by its KV heads."""
+    """The tensor-parallel sizes a model splits into: dividing its query heads and its MLP (and experts')
+    width, and dividing or divided by its KV heads."""
     heads, kv_heads, _, intermediate = _attention_sizes(hf_config)
-    return [n for n in range(1, heads + 1)
-            if heads % n == 0 and intermediate % n == 0 and (kv_heads % n == 0 or n % kv_heads == 0)]
+    experts = expert_width(hf_config)
+    return [n for n in range(1, heads + 1) if heads % n == 0 and intermediate % n == 0 and experts % n == 0
+            and (kv_heads % n == 0 or n % kv_heads == 0)]
 
 
 def verify_tensor_parallel_size(hf_config, size: int) -> None:
@@ -49,8 +53,10 @@ def verify_tensor_parallel_size(hf_config, size: int) -> None:
     if size in able:
         return
     heads, kv_heads, _, intermediate = _attention_sizes(hf_config)
+    experts = expert_width(hf_config)
     why = (f"the model has {heads} attention heads" if size > heads or heads % size else
            f"its MLP width {intermediate} is not divisible by {size}" if intermediate % size else
+           f"its experts' width {experts} is not divisible by {size}" if experts % size else
            f"its {kv_heads} KV heads neither divide nor are divided by {size}")
     raise ValueError(f"--tensor-parallel-size {size} cannot split this model: {why}. Sizes that work: "
                      f"{', '.join(map(str, able))}.")
@@ -67,6 +73,7 @@ class ShardLayout:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    expert_width: int  # each expert's MLP width, all ranks together (a dense model: intermediate_size)
 
     @classmethod
     def of(cls, hf_config, rank: int | None = None, size: int | None = None) -> ShardLayout:
@@ -76,7 +83,7 @@ class ShardLayout:
         group = tp_group()
         heads, kv_heads, head_dim, intermediate = _attention_sizes(hf_config)
         return cls(group.rank if rank is None else rank, group.size if size is None else size, heads, kv_heads,
-                   head_dim, intermediate, hf_config.vocab_size)
+                   head_dim, intermediate, hf_config.vocab_size, expert_width(hf_config))
 
     @property
     def heads(self) -> int:
@@ -99,6 +106,11 @@ class ShardLayout:
         return self.intermediate_size // self.size
 
     @property
+    def moe_width(self) -> int:
+        """Each expert's width on this rank."""
+        return self.expert_width // self.size
+
+    @property
     def vocab_rows(self) -> int:
         """Vocabulary rows per rank (the last rank's padded)."""
         return cdiv(self.vocab_size, self.size)
@@ -115,16 +127,19 @@ class ShardLayout:
         parts = name.split(".")
         kind = _SPLITS.get(parts[-2]) if len(parts) >= 2 else None
         d = self.head_dim
+        if parts[-1] == "sinks":  # gpt-oss' attention sinks: one per query head
+            return "column", self.rank * self.heads, self.heads
         if kind == "q":
             return "column", self.rank * self.heads * d, self.heads * d
         if kind == "kv":
             return "column", self.first_kv_head * d, self.kv_heads * d
+        mlp = self.moe_width if "experts" in parts else self.mlp_width
         if kind == "column":
-            return "column", self.rank * self.mlp_width, self.mlp_width
+            return "column", self.rank * mlp, mlp
         if kind == "row":
             if name.endswith(".bias"):
                 return None if self.rank == 0 else ("zero", 0, 0)
-            width = self.heads * d if parts[-2] == "o_proj" else self.mlp_width
+            width = self.heads * d if parts[-2] == "o_proj" else mlp
             return "row", self.rank * width, width
         if kind == "vocab":
             return "vocab", self.vocab_start, self.vocab_rows

@@ -26,6 +26,7 @@ from pagedllm.config import (
     resolve_dtype,
 )
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.model_executor.moe import num_experts
 from pagedllm.structured_output_limits import StructuredOutputLimits
 from pagedllm.model_executor.model_files import has_tokenizer, load_hf_config, resolve_model_path
 from pagedllm.utils import gib_to_bytes, parse_size
@@ -291,6 +292,10 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None (off); "
                              f"got {self.quantization!r}.")
+        if self.quantization == "int8" and num_experts(hf_config):
+            raise UnsupportedModelError(
+                "--quantization int8 quantizes dense Linear layers; this model's experts (a mixture of experts) "
+                "cannot be int8 yet: serve it in bfloat16, or from an FP8 / int4 checkpoint once those load.")
         checkpoint_quant = getattr(hf_config, "quantization_config", None)
         if checkpoint_quant and self.load_format != "dummy":
             method = (checkpoint_quant.get("quant_method") if isinstance(checkpoint_quant, dict)

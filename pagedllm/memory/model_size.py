@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.model_executor.kv_quant import kv_scale_target
+from pagedllm.model_executor.moe import expert_width, is_sparse_layer, num_experts
 from pagedllm.model_executor.quantization import (
     int8_weight_bytes,
     is_quantized_weight_name,
@@ -72,9 +73,13 @@ def _decoder_linear_shapes(cfg) -> list[tuple[int, int]]:
     return [((heads + 2 * kv_heads) * d, h), (h, heads * d), (2 * i, h), (h, i)]
 
 
-def layer_weight_bytes_from_config(cfg, dtype: torch.dtype, quantization: str | None = None) -> int:
-    """Bytes of one decoder layer's weights in `dtype`, with its Linears quantized by `quantization`."""
-    total = _layer_params(cfg) * dtype.itemsize
+def layer_weight_bytes_from_config(cfg, dtype: torch.dtype, quantization: str | None = None,
+                                   index: int | None = None) -> int:
+    """Bytes of decoder layer `index`'s weights in `dtype` (None: the largest layer, a mixture of experts' sparse
+    one), with its Linears quantized by `quantization`."""
+    if index is None:
+        index = max(range(cfg.num_hidden_layers), key=lambda i: _layer_params(cfg, i))
+    total = _layer_params(cfg, index) * dtype.itemsize
     if quantization == "int8":
         for out, inp in _decoder_linear_shapes(cfg):
             total += int8_weight_bytes(out, inp, dtype) - out * inp * dtype.itemsize
@@ -82,10 +87,11 @@ def layer_weight_bytes_from_config(cfg, dtype: torch.dtype, quantization: str | 
 
 
 def weight_bytes_from_config(cfg, dtype: torch.dtype, quantization: str | None = None) -> int:
-    """Bytes of all weights from config shapes: embeddings, LM head and final norm stay in `dtype`."""
-    layers = cfg.num_hidden_layers
-    rest = num_params_from_config(cfg) - layers * _layer_params(cfg)
-    return rest * dtype.itemsize + layers * layer_weight_bytes_from_config(cfg, dtype, quantization)
+    """Bytes of all weights from config shapes (every expert of a mixture of experts: all of them are held);
+    embeddings, LM head and final norm stay in `dtype`."""
+    layers = range(cfg.num_hidden_layers)
+    rest = num_params_from_config(cfg) - sum(_layer_params(cfg, i) for i in layers)
+    return rest * dtype.itemsize + sum(layer_weight_bytes_from_config(cfg, dtype, quantization, i) for i in layers)
 
 
 def num_params_from_config(cfg) -> int:
@@ -95,7 +101,7 @@ def num_params_from_config(cfg) -> int:
     head = 0 if tied else v * h
     if _is_dual_ffn(cfg):  # no text LM head: audio code embeddings and the audio head instead
         head = 2 * cfg.num_codebooks * cfg.codebook_size * h
-    return v * h + cfg.num_hidden_layers * _layer_params(cfg) + h + head
+    return v * h + sum(_layer_params(cfg, i) for i in range(cfg.num_hidden_layers)) + h + head
 
 
 def logits_per_row(cfg) -> int:
@@ -109,8 +115,9 @@ def _is_dual_ffn(cfg) -> bool:
     return getattr(cfg, "model_type", "") == "higgs_audio_v2"
 
 
-def _layer_params(cfg) -> int:
-    """Parameters of one decoder layer: projections (and their biases) and norms."""
+def _layer_params(cfg, index: int = 0) -> int:
+    """Parameters of decoder layer `index`: projections (and their biases), norms, and a sparse layer's router
+    and experts."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -123,9 +130,13 @@ def _layer_params(cfg) -> int:
     qkv = h * (heads + 2 * kv_heads) * d + (heads + 2 * kv_heads) * d * qkv_bias
     o = heads * d * h + h * o_bias
     mlp = 3 * h * i + (2 * i + h) * mlp_bias
-    norms = 2 * h + (2 * d if model_type == "qwen3" else 0)
+    norms = 2 * h + (2 * d if model_type in ("qwen3", "qwen3_moe") else 0)
     audio_path = mlp + 2 * h if _is_dual_ffn(cfg) else 0
-    return qkv + o + mlp + norms + audio_path
+    if is_sparse_layer(cfg, index):  # the experts and the router's rows (gpt-oss: their biases too)
+        experts, w, biased = num_experts(cfg), expert_width(cfg), model_type == "gpt_oss"
+        mlp = experts * (3 * h * w + h) + biased * experts * (2 * w + h + 1)
+    sinks = heads if model_type == "gpt_oss" else 0
+    return qkv + o + mlp + norms + audio_path + sinks
 
 
 def kv_bytes_per_token(cfg, kv_dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
@@ -157,9 +168,38 @@ def estimate_activation_bytes(cfg, dtype: torch.dtype, num_tokens: int, max_num_
     return _layer_activation_bytes(cfg, dtype, num_tokens, tensor_parallel_size) + attention + sampling
 
 
+def expert_params_from_config(cfg) -> int:
+    """Parameters in the experts of every sparse layer (0 for a dense model): the share of the weights a decode
+    step reads only in part."""
+    h = cfg.hidden_size
+    sparse = sum(is_sparse_layer(cfg, i) for i in range(cfg.num_hidden_layers))
+    biased = getattr(cfg, "model_type", "") == "gpt_oss"
+    per_expert = 3 * h * expert_width(cfg) + biased * (2 * expert_width(cfg) + h)
+    return sparse * num_experts(cfg) * per_expert
+
+
+def decode_active_share(cfg, batch: int) -> tuple[float, float]:
+    """(share of the weights one decode step of `batch` tokens reads, share of the parameters each token
+    multiplies by). A step reads every weight but an untied embedding table (a row per token) and the experts
+    its tokens do not choose: a token chooses top_k of E, and a batch E (1 - (1 - top_k / E)^batch) distinct
+    experts per layer, expected under independent, uniform routing, so a batch reads more experts as it grows.
+    Each token multiplies by every parameter but the embedding table and the experts it does not choose."""
+    total, experts = num_params_from_config(cfg), expert_params_from_config(cfg)
+    tied = bool(getattr(cfg, "tie_word_embeddings", False))
+    table = 0 if tied or _is_dual_ffn(cfg) else cfg.vocab_size * cfg.hidden_size
+    if not experts:
+        return (total - table) / total, (total - table) / total
+    e, k = num_experts(cfg), cfg.num_experts_per_tok
+    read = 1 - (1 - k / e) ** batch
+    return (total - table - experts + experts * read) / total, (total - table - experts + experts * k / e) / total
+
+
 def _layer_activation_bytes(cfg, dtype: torch.dtype, num_tokens: int, tensor_parallel_size: int = 1) -> int:
     """The live set at the peak of a decoder layer for `num_tokens` tokens (see estimate_activation_bytes)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
+    if num_experts(cfg):  # a token's top-k experts' gate/up products (and any dense layer's)
+        sparse = [is_sparse_layer(cfg, k) for k in range(cfg.num_hidden_layers)]
+        i = max(i if not all(sparse) else 0, cfg.num_experts_per_tok * expert_width(cfg))
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     d = _head_dim(cfg)

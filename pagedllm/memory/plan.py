@@ -114,6 +114,7 @@ class ModelFacts:
     graph_pool_bytes: Callable[[PlanSettings], int] | None = None
     graph_pool_source: str = "estimated"
     vocab_size: int = 0  # the logits' width: the structured outputs' token bitmask has a bit per token
+    experts: str = ""  # a mixture of experts: what the weights hold of them ("every expert: ..."); "": dense
 
 
 @dataclass(frozen=True)
@@ -592,7 +593,7 @@ class MemoryPlan:
     def _weights_row(self) -> tuple[str, str, str]:
         s = self.settings
         label = f"model weights ({_dtype_name(s.dtype)}{', int8 decoder linears' if s.quantization else ''})"
-        note = self.model.weights_source
+        note = self.model.weights_source + (f"; {self.model.experts}" if self.model.experts else "")
         if self.offloaded_layers:
             slots = device_slots(self.offloaded_layers)
             note += (f"; {self.offloaded_layers} of {self.model.num_layers} layers "

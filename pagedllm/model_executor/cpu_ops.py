@@ -19,9 +19,11 @@ from pagedllm.model_executor.linear import (
     Embedding,
     EmbeddingMethod,
     GateUpLinear,
+    Linear,
     LinearMethod,
     LMHead,
 )
+from pagedllm.model_executor.moe import GROUPED, FusedMoE, MoEMethod
 
 logger = logging.getLogger(__name__)
 
@@ -244,6 +246,8 @@ def pack_linear_weights(model: nn.Module, vocab_major: bool = False) -> int:
         for param in module.parameters(recurse=False):
             sharers.setdefault(id(param), []).append(module)
     packed_bytes = 0
+    if own_kernels:
+        packed_bytes += sum(_pack_experts(moe, kernels) for moe in model.modules() if _experts_packable(moe))
     for module in model.modules():
         if not _packable(module):
             continue
@@ -281,6 +285,49 @@ def _packable(module: nn.Module) -> bool:
         return False
     w = module.weight
     return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.numel() > 0
+
+
+class PackedExpertsMoE(MoEMethod):
+    """Each expert's [gate | up] and down projections as Linear layers packed for cpu_kernels (SiLU(gate) * up
+    fused into the first product, as a dense MLP's); the stacked weights are freed."""
+
+    name = "kernel-packed-experts"
+
+    def __init__(self, gate_up: list[GateUpLinear], down: list[Linear]) -> None:
+        self.gate_up, self.down = gate_up, down
+
+    def expert_forward(self, layer, expert: int, x: torch.Tensor) -> torch.Tensor:
+        return self.down[expert](self.gate_up[expert](x))
+
+
+def _experts_packable(module: nn.Module) -> bool:
+    """Stacked bf16 experts in host memory whose projections are whole kernel blocks."""
+    if not isinstance(module, FusedMoE) or module.method is not GROUPED:
+        return False
+    w13, w2 = module.w13_weight, module.w2_weight
+    return w13.dtype == torch.bfloat16 and w13.device.type == "cpu" and w13.numel() > 0 \
+        and _kernel_packable(w13[0]) and w13.shape[1] % 32 == 0 and _kernel_packable(w2[0])
+
+
+def _pack_experts(moe: FusedMoE, kernels) -> int:
+    """Pack `moe`'s experts one by one (PackedExpertsMoE); returns the bytes now held packed."""
+    packed = sum(w.numel() * w.element_size() for w in (moe.w13_weight, moe.w2_weight))
+    gate_ups, downs = [], []
+    for e in range(moe.num_experts):
+        with torch.device("meta"):
+            gate_up = GateUpLinear(moe.hidden_size, moe.width, moe.w13_bias is not None, "silu")
+            down = Linear(moe.width, moe.hidden_size, bias=moe.w2_bias is not None)
+        gate_up.act_and_mul = moe.act_and_mul
+        for layer, weight, bias in ((gate_up, moe.w13_weight, moe.w13_bias), (down, moe.w2_weight, moe.w2_bias)):
+            layer.weight = nn.Parameter(weight[e], requires_grad=False)
+            layer.bias = None if bias is None else nn.Parameter(bias[e], requires_grad=False)
+            _pack_for_kernels(layer, kernels)
+        gate_ups.append(gate_up)
+        downs.append(down)
+    moe.method = PackedExpertsMoE(gate_ups, downs)
+    for name in ("w13_weight", "w2_weight"):
+        setattr(moe, name, nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False))
+    return packed
 
 
 def _use_fp32_arithmetic(model: nn.Module, vocab_major: bool) -> None:

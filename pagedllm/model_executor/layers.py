@@ -15,7 +15,7 @@ from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.attention.base import current_forward_id
 from pagedllm.model_executor.cpu_isa import cpu_kernels
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the CPU's element-wise kernels and GEMV take
 
 
@@ -106,7 +106,46 @@ def rope_inv_freq(head_dim: int, rope_parameters: dict) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_inv_freq(inv_freq, head_dim, rope_parameters)
     return inv_freq
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, p: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): interpolated (divided by `factor`) frequencies for the dimensions that turn
+    fewer than beta_slow times over the original context, the original ones for those that turn more than
+    beta_fast times, a linear ramp between; as transformers computes it."""
+    base, factor, original = p["rope_theta"], p["factor"], p["original_max_position_embeddings"]
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # the share of the original frequency
+    return inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def rope_attention_factor(rope_parameters: dict) -> float:
+    """What YaRN multiplies cos and sin by (its attention temperature, 0.1 ln(factor) + 1); 1 otherwise."""
+    if rope_parameters.get("rope_type", rope_parameters.get("type")) != "yarn":
+        return 1.0
+    if rope_parameters.get("attention_factor") is not None:
+        return float(rope_parameters["attention_factor"])
+    factor = rope_parameters["factor"]
+    mscale, mscale_all_dim = rope_parameters.get("mscale"), rope_parameters.get("mscale_all_dim")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return get_mscale(factor)
 
 
 class RotaryEmbedding(CustomOp):
@@ -116,6 +155,7 @@ class RotaryEmbedding(CustomOp):
     def __init__(self, head_dim: int, max_positions: int, rope_parameters: dict) -> None:
         super().__init__()
         self.inv_freq = rope_inv_freq(head_dim, rope_parameters)  # validated at construction
+        self.attention_factor = rope_attention_factor(rope_parameters)
         self.max_positions = max_positions
         self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
@@ -128,8 +168,8 @@ class RotaryEmbedding(CustomOp):
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         freqs = positions[:, None] * self.inv_freq.to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # (positions, head_dim)
-        self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.cos = emb.cos() * self.attention_factor
+        self.sin = emb.sin() * self.attention_factor
 
     def forward_native(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, half) * [-sin, sin], the sign in
@@ -184,6 +224,26 @@ class ActAndMul(CustomOp):
 
     def extra_repr(self) -> str:
         return self.hidden_act
+
+
+class ClampedSwigluAndMul(CustomOp):
+    """gpt-oss' activation of a [gate | up] product: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g),
+    g = min(gate, limit)."""
+
+    hidden_act = "swigluoai"  # (vLLM's name for it)
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward_native(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
 
 
 def vocab_parallel_embed(embedding: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ from pagedllm.model_executor.cpu_ops import install_cpu_ops
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, select_forwards
 from pagedllm.model_executor.meta import on_meta_device
 from pagedllm.model_executor.model_files import weight_files
+from pagedllm.model_executor.moe import FusedMoE
 from pagedllm.model_executor.models.registry import get_model_class
 from pagedllm.model_executor.offload import HostLayer, LayerOffloader, offload_layers, offloaded_layer_indices
 from pagedllm.model_executor.quantization import quantize_model
@@ -98,6 +99,12 @@ def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.de
     # them alone. The offload hooks swap plain parameters, so with offloaded layers (CPU tests) nothing is packed.
     native_cpu = select_forwards(model, device, model_config.dtype)
     packed = install_cpu_ops(model, native_cpu, pack=offloader is None) if device.type == "cpu" else 0
+    if device.type == "cuda":
+        from pagedllm.model_executor.fused_moe_triton import TRITON_FUSED
+
+        for module in model.modules():
+            if isinstance(module, FusedMoE):
+                module.method = TRITON_FUSED  # the experts in two fused launches, graph-capturable
     return LoadedModel(model, offloader, packed)
 
 

@@ -23,7 +23,7 @@ def kv_per_token_by_hand(path, dtype: torch.dtype) -> int:
 
 
 @pytest.mark.parametrize("arch, dtype", [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16"),
-                                         ("qwen2", "bfloat16")])
+                                         ("qwen2", "bfloat16"), ("qwen3_moe", "bfloat16")])
 def test_engine_blocks_and_weights_match_the_plan(tiny_models, arch, dtype):
     path = tiny_models[arch]
     torch_dtype = DTYPES[dtype]

@@ -8,7 +8,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.attention.cpu_backend import DECODE_KERNEL_HEAD_DIMS
-from tests.helpers import ARCHS, hf_greedy, make_tiny_model
+from tests.helpers import ARCHS, MOE_ARCHS, hf_greedy, make_tiny_model
 
 # Different lengths, so batching pads and chunking splits prompts at different places.
 PROMPTS = [[5, 6, 7, 8, 9], list(range(30, 63)), [11, 12, 13], list(range(100, 117))]
@@ -70,6 +70,11 @@ def _cases() -> list[tuple[str, str, str]]:
                 cases.append((arch, regime, "auto"))
             if arch in TRITON_ARCHS:
                 cases.append((arch, regime, "triton"))
+    for arch in MOE_ARCHS:  # the experts' path is the same whatever the attention backend and block size
+        cases += [(arch, regime, "torch") for regime in ("default", "chunked_prefill", "preemption")]
+        cases.append((arch, "default", "auto"))
+    # gpt-oss' windows and sinks in the triton kernels (the cpu backend's decode kernel has neither: torch's path)
+    cases += [("gpt_oss", "default", "triton"), ("gpt_oss", "chunked_prefill", "triton")]
     return cases
 
 
@@ -88,10 +93,26 @@ def test_greedy_matches_transformers(tiny_models, arch, regime, backend):
         assert llm.llm_engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0}, None])
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 2.0}, None,
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}])
 def test_rope_variants_match_transformers(tmp_path, rope):
     path = make_tiny_model(tmp_path / "m", "llama", rope_scaling=rope, tie_word_embeddings=True)
     _check_against_reference(LLM(str(path), dtype="float32", max_model_len=128), path)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("mistral", {"sliding_window": 8}),  # every layer windowed
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),  # layers 1+ (layer_types)
+    ("mixtral", {"sliding_window": 8}),
+])
+def test_sliding_window_models_match_transformers(tmp_path, arch, overrides):
+    """Windows of 8 tokens, shorter than every prompt but one: no longer refused, and attended as transformers
+    attends them (the cpu backend's decode kernel has no window: such layers take the torch path)."""
+    path = make_tiny_model(tmp_path / "m", arch, **overrides)
+    llm = LLM(str(path), dtype="float32", max_model_len=64)
+    windows = [layer.self_attn.attn.sliding_window for layer in llm.llm_engine.executor.driver.model.model.layers]
+    assert windows == ([None, 8] if arch == "qwen3" else [8, 8])
+    _check_against_reference(llm, path)
 
 
 def test_sharded_checkpoint_matches_transformers(tmp_path):
@@ -105,12 +126,13 @@ def test_llama_with_attention_and_mlp_bias_matches_transformers(tmp_path):
     _check_against_reference(LLM(str(path), dtype="float32", max_model_len=128), path)
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("llama", {"tie_word_embeddings": True})])
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {}), ("llama", {"tie_word_embeddings": True}),
+                                            ("qwen3_moe", {})])
 def test_bfloat16_logprobs_close_to_transformers_bfloat16(tmp_path, arch, overrides, cpu_path):
     """bf16 on CPU, on every CPU path this machine can run (cpu_isa.py): cpu_kernels' packed Linears with the
-    tied head's packed embedding and the fused MLP (amx, avx2), oneDNN's (avx512_bf16), or PyTorch's ops
-    (none). Prompt logprobs (a 33-row prefill) and the logprobs of 8 greedy decode steps (one row each) stay
-    within bf16 noise of transformers running the same weights in bf16."""
+    tied head's packed embedding and the fused MLP (amx, avx2), each expert packed the same way, oneDNN's
+    (avx512_bf16), or PyTorch's ops (none). Prompt logprobs (a 33-row prefill) and the logprobs of 8 greedy
+    decode steps (one row each) stay within bf16 noise of transformers running the same weights in bf16."""
     import torch
 
     from transformers import AutoModelForCausalLM
@@ -121,6 +143,11 @@ def test_bfloat16_logprobs_close_to_transformers_bfloat16(tmp_path, arch, overri
     model = llm.llm_engine.executor.driver.model
     own_kernels = cpu_path in ("amx", "avx2")
     mlp = model.model.layers[0].mlp
+    if arch in MOE_ARCHS:
+        experts = mlp.experts
+        assert experts.method.name == ("kernel-packed-experts" if own_kernels else "grouped")
+        assert (experts.w13_weight.numel() == 0) == own_kernels  # the stacked weights freed once packed
+        mlp = model.model.layers[1].mlp  # (a dense layer)
     assert (mlp.down_proj.weight.numel() == 0) == (cpu_path != "none")  # re-laid for the path's kernels
     assert (mlp.gate_up_proj.method.name == "kernel-packed-gate-up") == own_kernels  # SiLU as the product leaves
     assert model.model.norm.native_cpu == (cpu_path != "none")  # the norms' CPU kernels

@@ -64,10 +64,14 @@ def run(backend, attn, step, q, k, v):
 
 
 def compare(starts, lengths, heads=8, kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32,
-            kv_dtype=None, scales=(1.0, 1.0), split_below=0, seed=0):
+            kv_dtype=None, scales=(1.0, 1.0), split_below=0, seed=0, window=None, sinks=False):
     kv_dtype = kv_dtype or dtype
     num_blocks = sum(cdiv(s + n, block_size) for s, n in zip(starts, lengths)) + 5
     attn = make_layer(heads, kv_heads, head_dim, kv_dtype, num_blocks * block_size, scales, seed)
+    attn.sliding_window = window
+    if sinks:  # logits of the order of the scores', so the sink takes a real share of each softmax
+        attn.enable_sinks()
+        attn.sinks.data = torch.randn(heads, generator=torch.Generator().manual_seed(seed + 2)) * 2
     step = (starts, lengths, scattered_tables(starts, lengths, block_size, num_blocks, seed), block_size)
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = sum(lengths)
@@ -152,6 +156,16 @@ def test_split_k_decode_over_long_contexts(heads, kv_heads):
     """Few programs (requests x KV heads) and long contexts: the keys split into partitions, then combined."""
     got = compare([1500, 700, 20], [1, 1, 1], heads, kv_heads, head_dim=64, split_below=64)
     unsplit = compare([1500, 700, 20], [1, 1, 1], heads, kv_heads, head_dim=64, split_below=0)
+    torch.testing.assert_close(got, unsplit, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,sinks", [(24, False), (None, True), (7, True)])
+def test_sliding_windows_and_sinks(window, sinks):
+    """gpt-oss' attention: a window shorter than the contexts (decodes, a prefill chunk, a whole prompt in one
+    step), sinks in each softmax; and the split-K decode, whose sinks join when partitions are combined."""
+    compare([40, 0, 70, 3], [1, 45, 20, 1], window=window, sinks=sinks)
+    got = compare([1500, 700], [1, 1], 4, 4, split_below=64, window=window, sinks=sinks)
+    unsplit = compare([1500, 700], [1, 1], 4, 4, split_below=0, window=window, sinks=sinks)
     torch.testing.assert_close(got, unsplit, rtol=1e-5, atol=1e-5)
 
 

@@ -19,6 +19,14 @@ class PagedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         # Per-tensor scales of an fp8 cache (stored = x / scale), from the checkpoint or 1.0.
         self.k_scale = self.v_scale = 1.0
+        # A sliding window: a query at position p sees the keys at p - window + 1 .. p (None: all before it).
+        self.sliding_window: int | None = None
+        # Attention sinks (gpt-oss): a learned logit per query head in each softmax's denominator, (heads,);
+        # the weights then sum to less than one.
+        self.sinks: nn.Parameter | None = None
+
+    def enable_sinks(self) -> None:
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (tokens, heads, dim); k, v: (tokens, kv_heads, dim)

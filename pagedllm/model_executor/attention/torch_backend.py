@@ -32,11 +32,22 @@ class AttentionGroup:
     block_index: torch.Tensor  # (B, blocks) the block table of each request (padding -> block 0)
     key_lens: torch.Tensor  # (B,) int64: keys 0 .. key_lens-1 of each request are in the cache after this step
     mask: torch.Tensor  # (B, 1, max_q, blocks * block_size) True where a query may attend to a key
+    query_positions: torch.Tensor  # (B, 1, max_q, 1) each query's position (what a sliding window is cut at)
     is_decode: bool  # every request has exactly one query
     covers_step: bool  # a decode group of every token in the step, in flat order (no index maps needed)
     # Shared by every layer in this step: gather buffers (kv_heads, B, keys, dim) for K and V, and the
-    # row ids of the group's blocks in a cache's (kv_heads * blocks, block) view.
+    # row ids of the group's blocks in a cache's (kv_heads * blocks, block) view; windowed masks.
     scratch: dict[tuple, object] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer with this sliding window: keys within `window` positions of the query."""
+        if window is None:
+            return self.mask
+        key = ("window", window)
+        if key not in self.scratch:
+            keys = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.scratch[key] = self.mask & (keys > self.query_positions - window)
+        return self.scratch[key]
 
 
 @dataclass
@@ -81,16 +92,20 @@ class TorchAttentionBackend(AttentionBackend):
             k_buf, v_buf, rows = _gather_scratch(layer, g, meta.block_size, q)
             kg = read_kv(layer.k_cache, g.block_index, meta.block_size, layer.k_scale, q.dtype, k_buf, rows)
             vg = read_kv(layer.v_cache, g.block_index, meta.block_size, layer.v_scale, q.dtype, v_buf, rows)
+            mask = g.mask_for(layer.sliding_window)
             if g.covers_step:
-                return _decode_attention(layer, q, kg, vg, g.mask)
+                return _decode_attention(layer, q, kg, vg, mask)
             if g.is_decode:
-                out[g.dest_index] = _decode_attention(layer, q[g.dest_index], kg, vg, g.mask)
+                out[g.dest_index] = _decode_attention(layer, q[g.dest_index], kg, vg, mask)
                 continue
             qg = q[g.query_index].transpose(1, 2)  # (B, heads, max_q, dim)
-            og = F.scaled_dot_product_attention(
-                qg, kg.transpose(0, 1), vg.transpose(0, 1), attn_mask=g.mask, scale=layer.scale,
-                enable_gqa=layer.num_kv_heads != layer.num_heads,
-            )
+            if layer.sinks is not None:
+                og = _attention_with_sinks(layer, qg, kg.transpose(0, 1), vg.transpose(0, 1), mask)
+            else:
+                og = F.scaled_dot_product_attention(
+                    qg, kg.transpose(0, 1), vg.transpose(0, 1), attn_mask=mask, scale=layer.scale,
+                    enable_gqa=layer.num_kv_heads != layer.num_heads,
+                )
             og = og.transpose(1, 2).reshape(-1, layer.num_heads, layer.head_dim)  # (B * max_q, heads, dim)
             out[g.dest_index] = og[g.src_index]
         return out
@@ -127,8 +142,24 @@ def _decode_attention(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v
     qg = q.view(b, layer.num_kv_heads, group, layer.head_dim).transpose(0, 1)  # (kv_heads, B, group, dim)
     scores = torch.matmul(qg, k.transpose(-1, -2)) * layer.scale  # (kv_heads, B, group, keys)
     scores = scores.float().masked_fill_(~mask.view(1, b, 1, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    if layer.sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    else:  # the sink's logit joins each softmax, its weight dropped
+        sinks = layer.sinks.float().view(layer.num_kv_heads, 1, group, 1).expand(-1, b, -1, -1)
+        probs = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1].to(v.dtype)
     return torch.matmul(probs, v).transpose(0, 1).reshape(b, layer.num_heads, layer.head_dim)
+
+
+def _attention_with_sinks(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor) -> torch.Tensor:
+    """Prefill attention with a sink logit per head in each softmax (SDPA has no such term): q (B, heads, max_q,
+    dim), k and v (B, kv_heads, keys, dim), mask (B, 1, max_q, keys)."""
+    group = layer.num_heads // layer.num_kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (torch.matmul(q, k.transpose(-1, -2)) * layer.scale).float().masked_fill_(~mask, float("-inf"))
+    sinks = layer.sinks.float().view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)
+    probs = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1].to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 def _build_group(members, start, lens, offsets, table, block_size, device) -> AttentionGroup:
@@ -151,6 +182,7 @@ def _build_group(members, start, lens, offsets, table, block_size, device) -> At
         block_index=g_table[:, :num_blocks].contiguous().to(device),
         key_lens=(g_start + g_len).to(device),
         mask=mask.unsqueeze(1).to(device),
+        query_positions=torch.where(real, q_abs, 0)[:, None, :, None].to(device),  # (padding rows: position 0)
         is_decode=max_q == 1,
         covers_step=max_q == 1 and len(members) == len(lens),
     )

@@ -104,4 +104,4 @@ class TritonAttentionBackend(AttentionBackend):
             q, layer.k_cache, layer.v_cache, meta.block_table, meta.query_start, meta.seq_lens, meta.max_query_len,
             meta.max_seq_len, meta.block_size, layer.scale, layer.k_scale, layer.v_scale,
             split_below=self.split_below, block_table_stride=meta.block_table_stride,
-            partition_tokens=meta.partition_tokens)
+            partition_tokens=meta.partition_tokens, sliding_window=layer.sliding_window, sinks=layer.sinks)

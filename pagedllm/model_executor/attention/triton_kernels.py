@@ -6,7 +6,9 @@ its queries (prefill, chunked prefill and decode alike; a mixed batch is one lau
 query heads that share the KV head stacked in the tile's rows (GQA/MQA without copying K/V). Keys
 are walked BLOCK_N at a time, each key's block found through the sequence's block table, with an
 online softmax in float32 (FlashAttention's recurrence). Long decodes with few programs split the
-keys into partitions (split-K) whose partial results a second kernel combines.
+keys into partitions (split-K) whose partial results a second kernel combines. A layer with a sliding
+window walks only the keys inside it; attention sinks (gpt-oss: a logit per head in each softmax's
+denominator) join the sum at the end, or when the partitions are combined.
 
 The cache is head-major, one (kv_heads, slots, head_dim) view per layer for K and one for V; an fp8
 cache holds x / scale and is dequantized in the kernel (to the query dtype, times the scale, as the
@@ -35,12 +37,13 @@ MAX_PARTITIONS = 64
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_ptr, seq_lens_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
-    block_table_stride_ptr, scale, k_scale, v_scale, block_size, partition_tokens,
+    part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr,
+    block_table_stride_ptr, scale, k_scale, v_scale, block_size, partition_tokens, window,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_PARTS: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr, DOT_FP32: tl.constexpr,
+    WINDOW: tl.constexpr, SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,6 +73,8 @@ def _paged_attention_kernel(
     if NUM_PARTS > 1:
         kv_begin = tile * partition_tokens
         kv_end = tl.minimum(kv_end, kv_begin + partition_tokens)
+    if WINDOW:  # the first query of the tile sees keys from context + its index - window + 1
+        kv_begin = tl.maximum(kv_begin, context + q_tile * BLOCK_Q - window + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
@@ -93,6 +98,8 @@ def _paged_attention_kernel(
             s = tl.dot(q, k)
         s = s * scale
         visible = (n[None, :] <= (context + tok)[:, None]) & n_ok[None, :]
+        if WINDOW:
+            visible = visible & (n[None, :] > (context + tok)[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet (padding)
@@ -116,6 +123,12 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + d[None, :], acc, mask=row_ok[:, None])
     else:
+        if SINKS:  # the sink's exp(logit) joins the denominator (its value row is nothing)
+            sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32)
+            m_all = tl.maximum(m_i, sink)
+            rescale = tl.exp(m_i - m_all)
+            acc = acc * rescale[:, None]
+            l_i = l_i * rescale + tl.exp(sink - m_all)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -123,10 +136,12 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_partitions_kernel(
-    out_ptr, query_start_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, stride_ot, stride_oh,
+    out_ptr, query_start_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sinks_ptr, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_PARTS: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
-    """Split-K: combine a decode's partition results (max, sum of exponentials, weighted values)."""
+    """Split-K: combine a decode's partition results (max, sum of exponentials, weighted values), and the
+    head's sink."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     parts = tl.arange(0, NUM_PARTS)
@@ -134,10 +149,16 @@ def _combine_partitions_kernel(
     m = tl.load(part_m_ptr + base + parts)
     l = tl.load(part_l_ptr + base + parts)
     m_max = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
     w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max))
     d = tl.arange(0, HEAD_PAD)
     acc = tl.load(part_acc_ptr + (base + parts)[:, None] * HEAD_PAD + d[None, :])
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+    denominator = tl.sum(l * w, 0)
+    if SINKS:
+        denominator += tl.exp(sink - m_max)
+    out = tl.sum(acc * w[:, None], 0) / denominator
     token = tl.load(query_start_ptr + seq)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD)
 
@@ -192,7 +213,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start: torch.Tensor, seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int,
                     block_size: int, scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
                     out: torch.Tensor | None = None, split_below: int = 0,
-                    block_table_stride: torch.Tensor | None = None, partition_tokens: int = 0) -> torch.Tensor:
+                    block_table_stride: torch.Tensor | None = None, partition_tokens: int = 0,
+                    sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every query token of a step over its sequence's paged K/V.
 
     q: (tokens, heads, dim), tokens laid out sequence after sequence (query_start: (seqs + 1,) int32
@@ -204,7 +226,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     A decode-only step with fewer than `split_below` programs (sequences x KV heads) splits its keys
     into partitions of `partition_tokens` keys (at least partition_tokens_for(max_seq_len)), as many as
     max_seq_len needs; split_below 0: never. Nothing here reads the tensors' values on the host, so a
-    call can be captured in a CUDA graph (with max_seq_len then the longest sequence a replay may see)."""
+    call can be captured in a CUDA graph (with max_seq_len then the longest sequence a replay may see).
+    `sliding_window`: a query at position p sees keys p - window + 1 .. p; `sinks`: (heads,) logits added to
+    each softmax's denominator."""
     tokens, num_heads, head = q.shape
     kv_heads = k_cache.shape[0]
     num_seqs = seq_lens.shape[0]
@@ -234,15 +258,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         grid = (num_seqs, kv_heads, triton.cdiv(max_query_len, block_m // group_pad))
     _paged_attention_kernel[grid](
         out, q, k_cache, v_cache, block_table, query_start, seq_lens, part_m, part_l, part_acc,
-        block_table_stride, float(scale), float(k_scale), float(v_scale), block_size, partition_tokens,
+        out if sinks is None else sinks, block_table_stride, float(scale), float(k_scale), float(v_scale),
+        block_size, partition_tokens, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=group_pad, HEAD=head, HEAD_PAD=head_pad,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, NUM_PARTS=num_parts, FP8=fp8, IEEE=q.dtype == torch.float32,
-        DOT_FP32=INTERPRETED and q.dtype != torch.float32, num_warps=4 if head_pad <= 64 else 8,
+        DOT_FP32=INTERPRETED and q.dtype != torch.float32, WINDOW=bool(sliding_window), SINKS=sinks is not None,
+        num_warps=4 if head_pad <= 64 else 8,
     )
     if num_parts > 1:
         _combine_partitions_kernel[(num_seqs, num_heads)](
-            out, query_start, part_m, part_l, part_acc, out.stride(0), out.stride(1),
-            NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=head_pad, NUM_PARTS=num_parts,
+            out, query_start, part_m, part_l, part_acc, out if sinks is None else sinks, out.stride(0),
+            out.stride(1), NUM_HEADS=num_heads, HEAD=head, HEAD_PAD=head_pad, NUM_PARTS=num_parts,
+            SINKS=sinks is not None,
         )
     return out

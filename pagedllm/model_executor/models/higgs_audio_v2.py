@@ -73,7 +73,7 @@ class HiggsAudioV2DecoderLayer(LlamaDecoderLayer):
     """A Llama layer plus the audio path's norms and MLP; attention is shared by both paths."""
 
     def __init__(self, cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias) -> None:
-        super().__init__(cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias)
+        super().__init__(cfg, rotary, qkv_bias, o_bias, qk_norm, LlamaMLP(cfg, mlp_bias))
         self.audio_mlp = LlamaMLP(cfg, mlp_bias)
         self.audio_input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.audio_post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

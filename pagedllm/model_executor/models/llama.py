@@ -1,7 +1,7 @@
 """The Llama family: Llama, Mistral, Qwen2, Qwen3 (one decoder, a few config switches)."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -13,6 +13,7 @@ from pagedllm.model_executor.attention import PagedAttention
 from pagedllm.model_executor.kv_quant import kv_scale_target, scale_value
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, vocab_parallel_embed
 from pagedllm.model_executor.linear import Embedding, GateUpLinear, Linear, LMHead
+from pagedllm.model_executor.moe import EXPERT_TENSOR, PROJECTIONS, FusedMoE
 
 
 class LlamaAttention(nn.Module):
@@ -61,10 +62,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias) -> None:
+    def __init__(self, cfg, rotary, qkv_bias, o_bias, qk_norm, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, rotary, qkv_bias, o_bias, qk_norm)
-        self.mlp = LlamaMLP(cfg, mlp_bias)
+        self.mlp = mlp  # dense (LlamaMLP) or a mixture of experts (moe.SparseMoeBlock)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -85,13 +86,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg, max_positions: int, qkv_bias, o_bias, qk_norm, mlp_bias) -> None:
+    def __init__(self, cfg, max_positions: int, qkv_bias, o_bias, qk_norm,
+                 make_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rotary = RotaryEmbedding(head_dim, max_positions, cfg.rope_parameters)
         self.embed_tokens = Embedding(ShardLayout.of(cfg).vocab_rows, cfg.hidden_size)  # this rank's rows
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, qkv_bias, o_bias, qk_norm, mlp_bias) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, rotary, qkv_bias, o_bias, qk_norm, make_mlp(i)) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -125,10 +127,12 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         attention_bias = getattr(cfg, "attention_bias", self.qkv_bias_default)
         qkv_bias, o_bias = self._biases(attention_bias)
-        self.model = LlamaModel(cfg, max_positions, qkv_bias, o_bias, self.qk_norm, getattr(cfg, "mlp_bias", False))
+        self.model = LlamaModel(cfg, max_positions, qkv_bias, o_bias, self.qk_norm, self.make_mlp)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = LMHead(cfg.hidden_size, ShardLayout.of(cfg).vocab_rows, bias=False)  # this rank's rows
         self.tie_weights()
+        for index, layer in enumerate(self.model.layers):
+            layer.self_attn.attn.sliding_window = self.layer_window(index)
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (again after to_empty(), which unties them)."""
@@ -139,16 +143,28 @@ class LlamaForCausalLM(nn.Module):
     def _biases(attention_bias: bool) -> tuple[bool, bool]:
         return attention_bias, attention_bias
 
+    def layer_window(self, layer_index: int) -> int | None:
+        """Layer `layer_index`'s sliding window, as transformers reads the config: the layers config.layer_types
+        names sliding_attention (Qwen2, Qwen3, gpt-oss), or every layer where there are no layer_types and a
+        sliding_window is set (Mistral, Mixtral, Qwen3-MoE: transformers clears it when use_sliding_window is
+        false). None: full attention."""
+        window = getattr(self.config, "sliding_window", None)
+        types = getattr(self.config, "layer_types", None)
+        if window is None or types is None:
+            return window
+        return window if types[layer_index] == "sliding_attention" else None
+
+    def make_mlp(self, layer_index: int) -> nn.Module:
+        """Layer `layer_index`'s MLP (a mixture-of-experts model returns its sparse block where it has one)."""
+        return LlamaMLP(self.config, getattr(self.config, "mlp_bias", False))
+
     @classmethod
     def verify_config(cls, cfg, max_model_len: int) -> None:
         """Refuse, by name, config features this implementation would otherwise silently ignore."""
-        window = getattr(cfg, "sliding_window", None)
-        uses_window = getattr(cfg, "use_sliding_window", window is not None)
-        if uses_window and window is not None and window < max_model_len:
-            raise UnsupportedModelError(
-                f"sliding window attention (sliding_window={window}) is not supported. It only matters "
-                f"past {window} tokens: pass max_model_len <= {window} to run this model."
-            )
+        kinds = set(getattr(cfg, "layer_types", None) or ())
+        if not kinds <= {"sliding_attention", "full_attention"}:
+            raise UnsupportedModelError(f"layer_types {sorted(kinds - {'sliding_attention', 'full_attention'})} are "
+                                        f"not supported (sliding_attention and full_attention are).")
         for name, allowed in (("pretraining_tp", (None, 1)), ("attn_logit_softcapping", (None,))):
             if getattr(cfg, name, None) not in allowed:
                 raise UnsupportedModelError(f"{name}={getattr(cfg, name)} is not supported.")
@@ -179,6 +195,13 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
             if self._load_kv_scale(name, tensor):
+                continue
+            expert = EXPERT_TENSOR.match(name)
+            if expert is not None:
+                experts = self._param_owner(f"{expert['block']}.experts", name)
+                part = experts.load_expert(int(expert["expert"]), PROJECTIONS[expert["proj"]], tensor,
+                                           bias=expert["kind"] == "bias")
+                loaded.add(f"{expert['block']}.experts{part}")
                 continue
             piece = next((p for p in STACKED_PARAMS if f".{p}." in name), None)
             if piece is not None:
@@ -211,7 +234,12 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_weight_names(self) -> set[str]:
         names = set()
+        for prefix, module in self.named_modules():
+            if isinstance(module, FusedMoE):
+                names.update(f"{prefix}{part}" for part in module.expected_parts())
         for pname, _ in self.named_parameters():
+            if ".experts.w" in pname:
+                continue  # (named by expert above)
             target = pname.split(".")[-2]
             shards = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}.get(target)
             if shards:
@@ -219,6 +247,12 @@ class LlamaForCausalLM(nn.Module):
             else:
                 names.add(pname)
         return names
+
+    def _param_owner(self, path: str, ckpt_name: str) -> nn.Module:
+        try:
+            return self.get_submodule(path)
+        except AttributeError:
+            raise ValueError(f"checkpoint tensor {ckpt_name!r} does not belong to this model") from None
 
     @staticmethod
     def _param(params: dict, pname: str, ckpt_name: str) -> nn.Parameter:

@@ -11,12 +11,17 @@ from pagedllm.model_executor.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from pagedllm.model_executor.models.gpt_oss import GptOssForCausalLM
+from pagedllm.model_executor.models.moe_llama import MixtralForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "HiggsAudioV2ForConditionalGeneration": HiggsAudioV2ForConditionalGeneration,  # model_type higgs_audio_v2
 }
 
