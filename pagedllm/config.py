@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.structured_output_limits import StructuredOutputLimits
 
 logger = logging.getLogger(__name__)
@@ -113,6 +114,11 @@ class ModelConfig:
     @property
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
+
+    @property
+    def kv_layout(self) -> KVCacheLayout:
+        """Which layers share a block table (one group unless sliding-window and full layers mix)."""
+        return KVCacheLayout.of_config(self.hf_config)
 
 
 @dataclass(frozen=True)

@@ -70,12 +70,12 @@ class NewRequestData:
 @dataclass(frozen=True)
 class ScheduledTokens:
     """One request's slice of the step: tokens [num_computed_tokens, num_computed_tokens + num_new_tokens),
-    their K/V going to the blocks of block_table."""
+    their K/V going to the blocks of block_tables (one table per KV group, kv_layout.py)."""
 
     request_id: str
     num_computed_tokens: int
     num_new_tokens: int
-    block_table: list[int]
+    block_tables: list[list[int]]
     samples: bool  # the slice reaches the end of the request's tokens: a token is sampled
 
 

@@ -84,7 +84,7 @@ class LLMEngine:
         self.num_swap_blocks = self._allocate_swap_space(config.cache.swap_space_bytes)
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, config.cache.block_size,
                                        enable_caching=config.cache.enable_prefix_caching,
-                                       num_swap_blocks=self.num_swap_blocks)
+                                       num_swap_blocks=self.num_swap_blocks, layout=config.model.kv_layout)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         # Audio models (None for text ones): how prompts carry audio and requests sample frames.
         self.audio = AudioGeneration.for_model(self.runner_facts.audio_spec, config.model.path,
@@ -271,8 +271,9 @@ class LLMEngine:
         requests = ()
         if with_requests:  # (not on /metrics' path, which takes a snapshot every step)
             running = {r.request_id: r for r in self.scheduler.running}
-            requests = tuple(RequestBlocks(rid, len(table), running[rid].num_computed_tokens if rid in running else 0)
-                             for rid, table in kv.block_tables.items())
+            requests = tuple(RequestBlocks(rid, kv.num_blocks_held(rid),
+                                           running[rid].num_computed_tokens if rid in running else 0)
+                             for rid in kv.tables)
         grammars = self.structured_outputs
         return EngineStats(
             memory_plan=self.memory_plan, num_running=len(self.scheduler.running),

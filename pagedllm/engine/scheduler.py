@@ -26,7 +26,7 @@ from pagedllm.step_input import NewRequestData, ScheduledTokens, StepInput
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
-    block_table: list[int]
+    block_tables: list[list[int]]  # one per KV group (kv_layout.py)
 
     @property
     def samples(self) -> bool:
@@ -147,7 +147,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.block_table(req.request_id)))
+                out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.group_tables(req.request_id)))
                 budget -= n
                 i += 1
         return budget
@@ -173,7 +173,7 @@ class Scheduler:
             self.running.append(req)
             out.blocks_to_swap_in.extend(copies)
             out.swapped_in.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.block_table(req.request_id)))
+            out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.group_tables(req.request_id)))
             budget -= n
         return budget
 
@@ -190,7 +190,7 @@ class Scheduler:
                 req.first_scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.block_table(req.request_id)))
+            out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.group_tables(req.request_id)))
             budget -= n
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
@@ -247,7 +247,7 @@ class Scheduler:
                     req.prompt_frames, req.audio_state))
                 req.audio_state = None  # the runner's from now on
             step.scheduled.append(ScheduledTokens(req.request_id, req.num_computed_tokens, s.num_new_tokens,
-                                                  s.block_table, s.samples))
+                                                  s.block_tables, s.samples))
         return step
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int],

@@ -17,6 +17,7 @@ from pagedllm.memory.model_size import (
     weight_bytes_from_headers,
 )
 from pagedllm.memory.plan import MiB, DeviceFacts, MemoryPlan, ModelFacts, PlanSettings
+from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.model_executor.moe import experts_summary
 
 # Runtime overhead a dry run assumes: on a GPU the CUDA context, the kernels PyTorch and cuBLAS load
@@ -74,6 +75,7 @@ def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int,
         kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.kv_dtype, s.tensor_parallel_size),
         weights_source=weights_source,
         experts=experts_summary(hf_config),
+        kv_layout=KVCacheLayout.of_config(hf_config),
         graph_pool_bytes=lambda s: int(_graph_pool_estimate(hf_config, s) * CUDA_ALLOCATOR_SHARE),
     )
 
@@ -126,6 +128,7 @@ def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSetting
         kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.kv_dtype, s.tensor_parallel_size),
         weights_source="measured",
         experts=experts_summary(hf_config),
+        kv_layout=KVCacheLayout.of_config(hf_config),
         activation_source=activation_source,
         overhead_source="measured",
         graph_pool_bytes=graph_pool,

@@ -10,6 +10,7 @@ import torch
 
 from pagedllm.config import resolve_kv_cache_dtype
 from pagedllm.errors import KVCacheMemoryError
+from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.model_executor.offload import device_slots, num_offloaded_layers
 from pagedllm.utils import cdiv, gib_to_bytes
 
@@ -115,6 +116,9 @@ class ModelFacts:
     graph_pool_source: str = "estimated"
     vocab_size: int = 0  # the logits' width: the structured outputs' token bitmask has a bit per token
     experts: str = ""  # a mixture of experts: what the weights hold of them ("every expert: ..."); "": dense
+    # Which layers share a block table (kv_layout.py); None or one without windows: every layer's K/V of a
+    # token stays while its sequence does.
+    kv_layout: KVCacheLayout | None = None
 
 
 @dataclass(frozen=True)
@@ -204,8 +208,51 @@ class MemoryPlan:
         return self.model.kv_bytes_per_token(self.settings)
 
     @property
+    def windows(self) -> KVCacheLayout | None:
+        """The model's KV layout where sliding-window layers drop blocks below their window (None otherwise)."""
+        layout = self.model.kv_layout
+        return layout if layout is not None and layout.has_windows else None
+
+    @property
     def block_bytes(self) -> int:
-        return self.kv_bytes_per_token * self.settings.block_size
+        """One pool block: block_size tokens of every layer, or with windows, of one layer per group's slot."""
+        if self.windows is None:
+            return self.kv_bytes_per_token * self.settings.block_size
+        return self.kv_bytes_per_token * self.windows.num_slots // self.model.num_layers * self.settings.block_size
+
+    def blocks_as_tokens(self, blocks: int) -> int:
+        """Tokens whose every layer's K/V `blocks` pool blocks hold."""
+        if self.windows is None:
+            return blocks * self.settings.block_size
+        return blocks * self.block_bytes // self.kv_bytes_per_token
+
+    def sequence_blocks(self, num_tokens: int, num_new_tokens: int = 1) -> int:
+        """The most pool blocks one sequence holds on its way to `num_tokens` tokens, computing up to
+        `num_new_tokens` a step."""
+        if self.windows is None:
+            return cdiv(num_tokens, self.settings.block_size)
+        return self.windows.blocks_per_sequence(num_tokens, self.settings.block_size, num_new_tokens)
+
+    @property
+    def seq_blocks(self) -> int:
+        """Blocks one max_model_len sequence needs at its peak (with windows: while a prompt chunk of
+        max_num_batched_tokens runs, every block of the chunk is held), with the null block window tables point to."""
+        n = max(self.max_model_len, 1)
+        if self.windows is None:
+            return self.sequence_blocks(n)
+        return self.sequence_blocks(n, min(n, self.settings.max_num_batched_tokens)) + self.windows.reserved_blocks
+
+    def tokens_held(self, blocks: int) -> int:
+        """The longest sequence `blocks` pool blocks hold (at its peak, with the null block)."""
+        if self.windows is None:
+            return blocks * self.settings.block_size
+        chunk = self.settings.max_num_batched_tokens
+        lo, hi = 0, self.model.model_max_len
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            fits = self.sequence_blocks(mid, min(mid, chunk)) + self.windows.reserved_blocks <= blocks
+            lo, hi = (mid, hi) if fits else (lo, mid - 1)
+        return lo
 
     @property
     def budget_bytes(self) -> int:
@@ -258,7 +305,7 @@ class MemoryPlan:
     @property
     def max_model_len_fit(self) -> int:
         """The longest sequence the KV cache can hold, capped by the model's limit."""
-        return min(self.model.model_max_len, self.blocks_that_fit * self.settings.block_size)
+        return min(self.model.model_max_len, self.tokens_held(self.blocks_that_fit))
 
     @property
     def max_model_len(self) -> int:
@@ -269,12 +316,14 @@ class MemoryPlan:
     @property
     def seq_bytes(self) -> int:
         """KV bytes one max_model_len sequence needs (whole blocks)."""
-        return cdiv(self.max_model_len, self.settings.block_size) * self.block_bytes
+        return self.seq_blocks * self.block_bytes
 
     @property
     def max_useful_blocks(self) -> int:
-        """max_num_seqs sequences of max_model_len: more blocks could never be used at once."""
-        return self.settings.max_num_seqs * cdiv(max(self.max_model_len, 1), self.settings.block_size)
+        """max_num_seqs sequences of max_model_len: more blocks could never be used at once (with windows: as
+        they decode, plus one's last prompt chunk and the null block)."""
+        decoding = self.sequence_blocks(max(self.max_model_len, 1))
+        return (self.settings.max_num_seqs - 1) * decoding + self.seq_blocks
 
     @property
     def num_blocks(self) -> int:
@@ -288,10 +337,22 @@ class MemoryPlan:
 
     @property
     def max_tokens_in_cache(self) -> int:
-        return self.num_blocks * self.settings.block_size
+        """Tokens of every layer's K/V the cache holds."""
+        return self.blocks_as_tokens(self.num_blocks)
 
     @property
     def max_concurrency(self) -> float:
+        """Sequences of max_model_len the cache holds at once, as they decode (windowed layers hold their
+        window's blocks only)."""
+        if not self.max_model_len:
+            return 0.0
+        if self.windows is None:
+            return self.max_tokens_in_cache / self.max_model_len
+        return max(0, self.num_blocks - self.windows.reserved_blocks) / self.sequence_blocks(self.max_model_len)
+
+    @property
+    def full_attention_concurrency(self) -> float:
+        """What max_concurrency would be if every layer kept every token (a full-attention count)."""
         return self.max_tokens_in_cache / self.max_model_len if self.max_model_len else 0.0
 
     # -- swap space (--swap-space) ---------------------------------------------------------------
@@ -313,7 +374,7 @@ class MemoryPlan:
     @property
     def swap_tokens(self) -> int:
         """Tokens of preempted requests the swap space holds."""
-        return self.num_swap_blocks * self.settings.block_size
+        return self.blocks_as_tokens(self.num_swap_blocks)
 
     @property
     def shared_swap_bytes(self) -> int:
@@ -357,7 +418,7 @@ class MemoryPlan:
             needed = self.device.used_by_others_bytes + self.non_kv_bytes + explicit + self.shared_swap_bytes
             if needed > self.device.total_bytes:
                 return False
-        return self.max_tokens_in_cache >= self.max_model_len
+        return self.num_blocks >= self.seq_blocks
 
     # -- diagnosis ------------------------------------------------------------------------------
     @property
@@ -370,12 +431,12 @@ class MemoryPlan:
         mem = f"{fmt_bytes(d.total_bytes)}{' unified' if d.unified else ''} memory"
         if s.num_gpu_blocks_override is not None:
             return (f"num_gpu_blocks_override={s.num_gpu_blocks_override} blocks hold "
-                    f"{s.num_gpu_blocks_override * s.block_size} tokens, fewer than one sequence of "
+                    f"{self.tokens_held(s.num_gpu_blocks_override)} tokens, fewer than one sequence of "
                     f"max_model_len {self.max_model_len}.")
         if s.kv_cache_memory_bytes is not None:
-            if self.blocks_that_fit * s.block_size < self.max_model_len:
+            if self.tokens_held(self.blocks_that_fit) < self.max_model_len:
                 return (f"--kv-cache-memory {fmt_bytes(s.kv_cache_memory_bytes)} holds "
-                        f"{self.blocks_that_fit * s.block_size} tokens, fewer than one sequence of "
+                        f"{self.tokens_held(self.blocks_that_fit)} tokens, fewer than one sequence of "
                         f"max_model_len {self.max_model_len} ({fmt_bytes(self.seq_bytes)}).")
             return (f"--kv-cache-memory {fmt_bytes(s.kv_cache_memory_bytes)} plus the weights, activations and "
                     f"overhead ({fmt_bytes(self.non_kv_bytes)}) and other processes' "
@@ -402,7 +463,7 @@ class MemoryPlan:
         graphs = (f"; the CUDA graphs of decode steps take {fmt_bytes(self.graph_pool_bytes)} of the budget"
                   if self.graph_pool_bytes else "")
         return (f"the KV cache gets {fmt_bytes(self.kv_budget_bytes)}, enough for "
-                f"{self.blocks_that_fit * s.block_size} tokens, but one sequence of max_model_len "
+                f"{self.tokens_held(self.blocks_that_fit)} tokens, but one sequence of max_model_len "
                 f"{self.max_model_len} needs {fmt_bytes(self.seq_bytes)} "
                 f"({fmt_bytes(self.kv_bytes_per_token)} per token){graphs}.")
 
@@ -586,7 +647,7 @@ class MemoryPlan:
             head = "No available memory for the cache blocks"
         else:
             head = (f"The model's max seq len ({self.max_model_len}) is larger than the maximum number of "
-                    f"tokens that can be stored in KV cache ({self.blocks_that_fit * self.settings.block_size})")
+                    f"tokens that can be stored in KV cache ({self.tokens_held(self.blocks_that_fit)})")
         raise KVCacheMemoryError(f"{head}: {self.cause}\n{self.table()}")
 
     # -- presentation ---------------------------------------------------------------------------
@@ -627,7 +688,9 @@ class MemoryPlan:
             ("KV cache allocated", f"{fmt_bytes(self.kv_cache_bytes)} = {self.num_blocks} blocks x "
              f"{s.block_size} tokens", "capped at max_num_seqs x max_model_len"
              if self.num_blocks == self.max_useful_blocks < self.blocks_that_fit else ""),
-            ("holds", f"{self.max_tokens_in_cache} tokens = {self.max_concurrency:.1f} x max_model_len", ""),
+            ("holds", f"{self.max_tokens_in_cache} tokens = {self.full_attention_concurrency:.1f} x max_model_len",
+             "of every layer's K/V" if self.windows is not None else ""),
+            *self._window_rows(),
         ]
         if s.swap_space_bytes:
             rows.append(self._swap_row())
@@ -700,6 +763,18 @@ class MemoryPlan:
                  f"at most: each its start and its cap (compiles: --structured-outputs-compile-memory, "
                  f"templates: 1 GiB){where}")]
 
+    def _window_rows(self) -> list[tuple[str, str, str]]:
+        """A windowed model's KV groups, and the sequences they hold over a full-attention count."""
+        w = self.windows
+        if w is None:
+            return []
+        full_blocks = cdiv(self.max_model_len, self.settings.block_size) * len(w.groups)
+        return [("KV groups", w.describe(), "windowed layers keep their window's blocks only"),
+                ("sequences of max_model_len at once", f"{self.max_concurrency:.1f}",
+                 f"{self.full_attention_concurrency:.1f} if every layer kept every token: each holds "
+                 f"{self.sequence_blocks(self.max_model_len)} blocks as it decodes, not {full_blocks} "
+                 f"({full_blocks / self.sequence_blocks(self.max_model_len):.2f}x as many fit); 1 null block")]
+
     def _component_rows(self) -> list[tuple[str, str, str]]:
         return [(f"{c.name} ({c.detail})" if c.detail else c.name, fmt_bytes(c.total_bytes),
                  f"weights {fmt_bytes(c.weight_bytes)} + peak {fmt_bytes(c.activation_bytes)}; {c.source}")
@@ -767,6 +842,8 @@ class MemoryPlan:
             "max_model_len": self.max_model_len,
             "max_model_len_fit": self.max_model_len_fit,
             "max_concurrency": round(self.max_concurrency, 3),
+            "max_concurrency_full_attention": round(self.full_attention_concurrency, 3),
+            "kv_groups": None if self.windows is None else self.windows.describe(),
             "max_num_batched_tokens": self.settings.max_num_batched_tokens,
             "tensor_parallel_size": self.settings.tensor_parallel_size,
             "sources": {"weights": self.model.weights_source, "activation": self.model.activation_source,

@@ -17,7 +17,7 @@ from pagedllm.model_executor.attention import (
     bind_kv_cache,
     forward_context,
     kv_cache_shape,
-    select_attention_backend,
+    select_attention_backends,
 )
 from pagedllm.model_executor.audio_runner import (
     audio_forward_inputs,
@@ -103,17 +103,20 @@ class ModelRunner:
         m = config.model  # the attention backend is chosen (or refused) before any weight is loaded
         self.tp = tp_group()
         self.shards = ShardLayout.of(m.hf_config)  # this rank's heads (all of them without tensor parallelism)
-        self.attn_backend = select_attention_backend(config.attention_backend, AttentionShape(
+        self.kv_layout = m.kv_layout  # which layers share a block table (kv_layout.py)
+        # One backend per KV group: each builds its group's step metadata (in its own persistent buffers).
+        self.attn_backends = select_attention_backends(config.attention_backend, AttentionShape(
             self.device, self.shards.heads, self.shards.kv_heads, m.head_dim, m.dtype, config.kv_cache_dtype),
-            config.batch_invariant)
+            config.batch_invariant, len(self.kv_layout.groups))
+        self.attn_backend = self.attn_backends[0]
         self.loaded = load_model(config.model, self.device)
         self.model = self.loaded.model
         if config.batch_invariant:
             make_linears_batch_invariant(self.model)
         s = config.scheduler
         max_tokens = max(s.max_num_batched_tokens, s.max_num_seqs)
-        self.attn_backend.allocate_buffers(max_tokens, s.max_num_seqs, cdiv(m.max_model_len, self.block_size),
-                                           self.device)
+        for backend in self.attn_backends:
+            backend.allocate_buffers(max_tokens, s.max_num_seqs, cdiv(m.max_model_len, self.block_size), self.device)
         self.sampler = Sampler(self.device, config.model.seed, s.max_num_seqs)
         # Multi-codebook audio models: frames in and out (audio_runner); None for text models.
         self.audio_spec = self.model.audio_spec
@@ -155,7 +158,7 @@ class ModelRunner:
     def _graph_step(self, batch_size: int):
         """What the graph of `batch_size` one-token sequences records: the model's forward over the
         persistent inputs (logits and sampling stay outside: they differ by request)."""
-        meta = self.attn_backend.graph_metadata(batch_size, self.block_size)
+        metas = [backend.graph_metadata(batch_size, self.block_size) for backend in self.attn_backends]
         ids = self.inputs.device["input_ids"][:batch_size]
         extra = {}
         if self.audio_spec is not None:  # frames in: every row of a graphed audio decode is audio
@@ -164,8 +167,8 @@ class ModelRunner:
                      "all_audio": True}
 
         def forward() -> torch.Tensor:
-            with forward_context(meta):
-                return self.model(ids, meta.positions, **extra)
+            with forward_context(metas):
+                return self.model(ids, metas[0].positions, **extra)
 
         return forward
 
@@ -173,11 +176,12 @@ class ModelRunner:
         """The persistent inputs of a step of padding rows only (captures run it: their K/V go to the null block)."""
         self._fill_graph_inputs(batch_size, [], [], [], [])
 
-    def _fill_graph_inputs(self, batch_size: int, starts: list[int], tables: list[list[int]], input_ids: list[int],
-                           frames: list) -> None:
+    def _fill_graph_inputs(self, batch_size: int, starts: list[int], tables: list[list[list[int]]],
+                           input_ids: list[int], frames: list) -> None:
         pad = batch_size - len(starts)
-        self.attn_backend.build_metadata(starts + [0] * pad, [1] * batch_size, tables + [[self.null_block]] * pad,
-                                         self.block_size, self.device)
+        for g, backend in enumerate(self.attn_backends):
+            backend.build_metadata(starts + [0] * pad, [1] * batch_size,
+                                   [t[g] for t in tables] + [[self.null_block]] * pad, self.block_size, self.device)
         inputs = {"input_ids": torch.tensor(input_ids + [0] * pad, dtype=torch.long)}
         if self.audio_spec is not None:
             k = self.audio_spec.num_codebooks
@@ -243,10 +247,11 @@ class ModelRunner:
         m = self.config.model
         self.null_block = num_blocks if self.graphs is not None else None
         total = num_blocks + (self.graphs is not None)
-        shape = kv_cache_shape(m.num_layers, self.shards.kv_heads, total * self.block_size, m.head_dim)
-        # Zeros, not empty: padded key positions are multiplied by 0 attention, and 0 * NaN is NaN.
+        shape = kv_cache_shape(self.kv_layout.num_slots, self.shards.kv_heads, total * self.block_size, m.head_dim)
+        # Zeros, not empty: padded key positions (and a window group's NULL_BLOCK, read below its window) are
+        # multiplied by 0 attention, and 0 * NaN is NaN.
         self.kv_cache = torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
-        bind_kv_cache(self.model.attention_layers(), self.kv_cache)
+        bind_kv_cache(self.model.attention_layers(), self.kv_cache, self.kv_layout)
 
     def kv_cache_blocks(self) -> int:
         """Blocks the KV cache holds (without the CUDA graphs' null block); 0 when not allocated."""
@@ -326,7 +331,7 @@ class ModelRunner:
             c = s.num_computed_tokens
             starts.append(c)
             lengths.append(s.num_new_tokens)
-            tables.append(s.block_table)
+            tables.append(s.block_tables)
             input_ids.extend(req.all_token_ids[c:c + s.num_new_tokens])
         with phase("forward"):
             hidden = self._forward(step, reqs, starts, lengths, tables, input_ids)  # (tokens, hidden)
@@ -373,7 +378,7 @@ class ModelRunner:
         return None if logits is None else logits[..., :self.config.model.vocab_size]
 
     def _forward(self, step: StepInput, reqs: list[RunnerRequest], starts: list[int], lengths: list[int],
-                 tables: list[list[int]], input_ids: list[int]) -> torch.Tensor:
+                 tables: list[list[list[int]]], input_ids: list[int]) -> torch.Tensor:
         """The model's hidden states of the step's tokens: a decode step replays its CUDA graph (its rows
         past len(reqs) are padding), any other runs eagerly."""
         batch_size = self._graph_batch_size(step, reqs)
@@ -386,12 +391,13 @@ class ModelRunner:
             self._fill_graph_inputs(batch_size, starts, tables, input_ids, frames or [])
             graph.replay()
             return graph.output[:len(reqs)]
-        meta = self.attn_backend.build_metadata(starts, lengths, tables, self.block_size, self.device)
+        metas = [backend.build_metadata(starts, lengths, [t[g] for t in tables], self.block_size, self.device)
+                 for g, backend in enumerate(self.attn_backends)]
         ids = self.inputs.load_all({"input_ids": torch.tensor(input_ids, dtype=torch.long)})["input_ids"]
         audio = {} if self.audio_spec is None else audio_forward_inputs(
             reqs, starts, lengths, self.audio_spec.num_codebooks, self.device)
-        with forward_context(meta):
-            return self.model(ids, meta.positions, **audio)
+        with forward_context(metas):
+            return self.model(ids, metas[0].positions, **audio)
 
     def _sample_audio(self, logits: torch.Tensor, requests: list[RunnerRequest]) -> list[SampledRow]:
         """Audio frames; unseeded requests draw from the engine's seeded generator, as text ones do."""
@@ -432,9 +438,10 @@ class ModelRunner:
         audio = {} if spec is None else profile_audio_inputs(sum(lengths), spec, self.device)
 
         def step() -> None:
-            meta = self.attn_backend.build_metadata([0] * len(lengths), lengths, tables, self.block_size, self.device)
-            with forward_context(meta):
-                hidden = self.model(ids, meta.positions, **audio)
+            metas = [backend.build_metadata([0] * len(lengths), lengths, tables, self.block_size, self.device)
+                     for backend in self.attn_backends]  # (every group writes the scratch blocks: they are scratch)
+            with forward_context(metas):
+                hidden = self.model(ids, metas[0].positions, **audio)
             logits = self.compute_logits(hidden[:rows])
             if logits is None:  # a tensor-parallel worker: rank 0 samples
                 return
@@ -446,9 +453,10 @@ class ModelRunner:
         def decode_step(n: int) -> None:
             """`n` one-token sequences: loads the kernels decode steps of that size use (cuBLAS picks them by
             row count), outside the measured peak, so that the runtime overhead measured next has them."""
-            meta = self.attn_backend.build_metadata([0] * n, [1] * n, [[0]] * n, self.block_size, self.device)
-            with forward_context(meta):
-                hidden = self.model(ids[:n], meta.positions, **({} if spec is None else
+            metas = [backend.build_metadata([0] * n, [1] * n, [[0]] * n, self.block_size, self.device)
+                     for backend in self.attn_backends]
+            with forward_context(metas):
+                hidden = self.model(ids[:n], metas[0].positions, **({} if spec is None else
                                     profile_audio_inputs(n, spec, self.device)))
             logits = self.compute_logits(hidden)
             if spec is None and logits is not None:
@@ -473,7 +481,7 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         self.null_block = None
         self.kv_cache = None
-        bind_kv_cache(self.model.attention_layers(), None)
+        bind_kv_cache(self.model.attention_layers(), None, self.kv_layout)
 
 
 def _sizes_text(sizes: tuple[int, ...]) -> str:

@@ -289,11 +289,11 @@ def simulated_step(sched: Scheduler, slots: dict[int, tuple[int, int]], token_of
     out = sched.schedule()
     assert all(s.num_new_tokens >= 1 for s in out.scheduled)  # a sampled token needs a computed one
     for s in out.scheduled:  # all writes first, as the attention layers do
-        r, table = s.request, s.block_table
+        r, table = s.request, s.block_tables[0]
         for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
             slots[table[pos // BS] * BS + pos % BS] = (pos, r.all_token_ids[pos])
     for s in out.scheduled:
-        r, table = s.request, s.block_table
+        r, table = s.request, s.block_tables[0]
         for pos in range(r.num_computed_tokens + s.num_new_tokens):
             assert slots.get(table[pos // BS] * BS + pos % BS) == (pos, r.all_token_ids[pos]), (
                 f"{r.request_id} would read a wrong K/V at position {pos}")

@@ -55,8 +55,8 @@ def step(sched: Scheduler, token: int | Callable[[Request], int] = FILLER
         assert r in sched.running
         assert r.num_computed_tokens + s.num_new_tokens <= r.num_tokens
         # Blocks for every token computed after this step are in the table.
-        assert s.block_table == kv.block_table(r.request_id)
-        assert len(s.block_table) >= cdiv(r.num_computed_tokens + s.num_new_tokens, kv.block_size)
+        assert s.block_tables == kv.group_tables(r.request_id)
+        assert len(s.block_tables[0]) >= cdiv(r.num_computed_tokens + s.num_new_tokens, kv.block_size)
     for r in out.preempted:
         assert r.request_id not in ids
         assert r.request_id not in kv.block_tables

@@ -11,6 +11,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.engine.kv_cache_manager import KVCacheManager
 from pagedllm.engine.request import Request, RequestStatus
 from pagedllm.engine.scheduler import Scheduler, SchedulerOutput
+from pagedllm.kv_layout import KVCacheLayout, KVGroup
 from pagedllm.sampling_params import SamplingParams
 
 BS = 4  # block size of these tests
@@ -23,20 +24,28 @@ def make_request(rid: str, prompt_len: int, priority: int = 0, first: int = 100,
 
 
 def make_scheduler(num_blocks: int, num_swap_blocks: int, mode: str | None = None, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64, enable_caching: bool = False) -> Scheduler:
+                   max_num_batched_tokens: int = 64, enable_caching: bool = False,
+                   layout: KVCacheLayout | None = None) -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                           preemption_mode=mode)
-    kv = KVCacheManager(num_blocks, BS, enable_caching=enable_caching, num_swap_blocks=num_swap_blocks)
+    kv = KVCacheManager(num_blocks, BS, enable_caching=enable_caching, num_swap_blocks=num_swap_blocks, layout=layout)
     return Scheduler(cfg, kv)
 
 
-class SimulatedCache:
-    """Device and host slots holding (position, token id), written by the step's tokens and moved by
-    its block copies exactly as the model runner orders them: swap-outs, swap-ins, then the forward."""
+# gpt-oss' shape in small: a full-attention layer and a layer with a 6-token window, one KV group each.
+WINDOWED = KVCacheLayout((KVGroup((0,)), KVGroup((1,), window=6)))
 
-    def __init__(self) -> None:
-        self.device: dict[int, tuple[int, int]] = {}
-        self.host: dict[int, tuple[int, int]] = {}
+
+class SimulatedCache:
+    """Device and host slots holding (KV group, position, token id), written by the step's tokens and moved by
+    its block copies exactly as the model runner orders them: swap-outs, swap-ins, then the forward. Every
+    group's blocks are slots of the same memory (kv_layout.py); a window group's queries read only the keys
+    their window covers."""
+
+    def __init__(self, layout: KVCacheLayout | None = None) -> None:
+        self.windows = [g.window for g in layout.groups] if layout is not None else [None]
+        self.device: dict[int, tuple[int, int, int]] = {}
+        self.host: dict[int, tuple[int, int, int]] = {}
 
     def copy(self, out: SchedulerOutput) -> None:
         assert not (out.blocks_to_swap_out and out.blocks_to_swap_in), "one kind of copy per step"
@@ -50,14 +59,17 @@ class SimulatedCache:
     def run(self, out: SchedulerOutput) -> None:
         self.copy(out)
         for s in out.scheduled:  # all writes first, as the attention layers do
-            r, table = s.request, s.block_table
-            for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
-                self.device[table[pos // BS] * BS + pos % BS] = (pos, r.all_token_ids[pos])
+            r = s.request
+            for g, table in enumerate(s.block_tables):
+                for pos in range(r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens):
+                    self.device[table[pos // BS] * BS + pos % BS] = (g, pos, r.all_token_ids[pos])
         for s in out.scheduled:
-            r, table = s.request, s.block_table
-            for pos in range(r.num_computed_tokens + s.num_new_tokens):
-                assert self.device.get(table[pos // BS] * BS + pos % BS) == (pos, r.all_token_ids[pos]), (
-                    f"{r.request_id} would read a wrong K/V at position {pos}")
+            r = s.request
+            for (g, table), window in zip(enumerate(s.block_tables), self.windows):
+                first = 0 if window is None else max(0, r.num_computed_tokens - window + 1)  # the first query's
+                for pos in range(first, r.num_computed_tokens + s.num_new_tokens):
+                    assert self.device.get(table[pos // BS] * BS + pos % BS) == (g, pos, r.all_token_ids[pos]), (
+                        f"{r.request_id} would read a wrong K/V at position {pos} of group {g}")
 
 
 def step(sched: Scheduler, cache: SimulatedCache | None = None) -> SchedulerOutput:
@@ -85,7 +97,7 @@ def run_all(sched: Scheduler, cache: SimulatedCache | None = None, max_steps: in
         outs.append(step(sched, cache))
         assert len(outs) <= max_steps, "not finished"
     kv = sched.kv_cache
-    assert kv.num_free_blocks == kv.pool.num_blocks
+    assert kv.num_free_blocks == kv.pool.num_blocks - (kv.null_block is not None)
     assert kv.host_pool is None or kv.host_pool.num_free_blocks == kv.host_pool.num_blocks
     assert not kv.swapped_tables and not sched.swapped
     return outs
@@ -317,16 +329,19 @@ def test_swap_out_without_room_is_refused() -> None:
 # --------------------------------------------------------------------------------------------
 # A random workload
 # --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", [None, WINDOWED], ids=["full", "windowed"])
 @pytest.mark.parametrize("enable_caching", [False, True])
 @pytest.mark.parametrize("mode, num_swap_blocks", [("swap", 40), (None, 40), (None, 6), ("swap", 5)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_workload_every_request_reads_its_own_kv(seed, mode, num_swap_blocks, enable_caching) -> None:
+def test_random_workload_every_request_reads_its_own_kv(seed, mode, num_swap_blocks, enable_caching, layout) -> None:
     """Many preemptions of both kinds in a tight pool, shared prompt prefixes, arrivals between steps:
-    after every step both pools are sound and every request attended only to its own tokens."""
+    after every step both pools are sound and every request attended only to its own tokens (with a window
+    group: to the ones its window covers, its other blocks given back)."""
     rng = random.Random(seed)
-    sched = make_scheduler(num_blocks=20, num_swap_blocks=num_swap_blocks, mode=mode, max_num_seqs=6,
-                           max_num_batched_tokens=rng.choice([8, 20, 40]), enable_caching=enable_caching)
-    cache = SimulatedCache()
+    sched = make_scheduler(num_blocks=20 if layout is None else 30, num_swap_blocks=num_swap_blocks, mode=mode,
+                           max_num_seqs=6, max_num_batched_tokens=rng.choice([8, 20, 40]),
+                           enable_caching=enable_caching, layout=layout)
+    cache = SimulatedCache(layout)
     reqs = []
     for i in range(30):
         r = make_request(f"r{i}", rng.randint(1, 40), priority=rng.choice([0, 0, 1]), first=rng.choice([100, 200]),

@@ -7,6 +7,7 @@ from pagedllm.model_executor.attention.selector import (
     ATTENTION_BACKENDS,
     AttentionShape,
     select_attention_backend,
+    select_attention_backends,
     unsupported_reason,
 )
 from pagedllm.model_executor.attention.torch_backend import AttentionGroup, TorchAttentionBackend
@@ -14,7 +15,7 @@ from pagedllm.model_executor.attention.torch_backend import AttentionGroup, Torc
 __all__ = [
     "ATTENTION_BACKENDS", "AttentionBackend", "AttentionGroup", "AttentionMetadata", "AttentionShape",
     "PagedAttention", "TorchAttentionBackend", "bind_kv_cache", "build_attention_metadata", "forward_context",
-    "kv_cache_shape", "select_attention_backend", "unsupported_reason",
+    "kv_cache_shape", "select_attention_backend", "select_attention_backends", "unsupported_reason",
 ]
 
 

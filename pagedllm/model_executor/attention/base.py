@@ -87,15 +87,16 @@ def padded_block_table(block_tables: list[list[int]], dtype: torch.dtype = torch
     return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=dtype)
 
 
-_metadata: AttentionMetadata | None = None
+_metadata: list[AttentionMetadata] | None = None  # one per KV group (kv_layout.py)
 _forward_count = 0  # forwards entered so far: names the current one
 
 
 @contextlib.contextmanager
-def forward_context(metadata: AttentionMetadata):
-    """Make this step's attention metadata visible to every attention layer during one forward."""
+def forward_context(metadata: AttentionMetadata | list[AttentionMetadata]):
+    """Make this step's attention metadata visible to every attention layer during one forward: one, or one
+    per KV group (each layer reads its group's: kv_layout.py)."""
     global _metadata, _forward_count
-    prev, _metadata = _metadata, metadata
+    prev, _metadata = _metadata, [metadata] if isinstance(metadata, AttentionMetadata) else list(metadata)
     _forward_count += 1
     try:
         yield
@@ -103,8 +104,8 @@ def forward_context(metadata: AttentionMetadata):
         _metadata = prev
 
 
-def current_metadata() -> AttentionMetadata | None:
-    return _metadata
+def current_metadata(group: int = 0) -> AttentionMetadata | None:
+    return None if _metadata is None else _metadata[group]
 
 
 def current_forward_id() -> int:

@@ -93,6 +93,14 @@ def select_attention_backend(name: str, shape: AttentionShape, batch_invariant: 
     return _make(name, shape.device, batch_invariant)
 
 
+def select_attention_backends(name: str, shape: AttentionShape, batch_invariant: bool, count: int
+                              ) -> list[AttentionBackend]:
+    """`count` instances of the backend select_attention_backend chooses: one per KV group, each with its own
+    step metadata and persistent buffers (kv_layout.py)."""
+    first = select_attention_backend(name, shape, batch_invariant)
+    return [first] + [_make(first.name, shape.device, batch_invariant) for _ in range(count - 1)]
+
+
 def _make(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionBackend:
     if name == "torch":
         from pagedllm.model_executor.attention.torch_backend import TorchAttentionBackend

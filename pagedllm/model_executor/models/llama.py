@@ -9,6 +9,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import tp_group
 from pagedllm.distributed.sharding import ShardLayout
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.kv_layout import sliding_windows
 from pagedllm.model_executor.attention import PagedAttention
 from pagedllm.model_executor.kv_quant import kv_scale_target, scale_value
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, vocab_parallel_embed
@@ -131,8 +132,8 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = LMHead(cfg.hidden_size, ShardLayout.of(cfg).vocab_rows, bias=False)  # this rank's rows
         self.tie_weights()
-        for index, layer in enumerate(self.model.layers):
-            layer.self_attn.attn.sliding_window = self.layer_window(index)
+        for layer, window in zip(self.model.layers, sliding_windows(cfg)):
+            layer.self_attn.attn.sliding_window = window
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (again after to_empty(), which unties them)."""
@@ -142,17 +143,6 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def _biases(attention_bias: bool) -> tuple[bool, bool]:
         return attention_bias, attention_bias
-
-    def layer_window(self, layer_index: int) -> int | None:
-        """Layer `layer_index`'s sliding window, as transformers reads the config: the layers config.layer_types
-        names sliding_attention (Qwen2, Qwen3, gpt-oss), or every layer where there are no layer_types and a
-        sliding_window is set (Mistral, Mixtral, Qwen3-MoE: transformers clears it when use_sliding_window is
-        false). None: full attention."""
-        window = getattr(self.config, "sliding_window", None)
-        types = getattr(self.config, "layer_types", None)
-        if window is None or types is None:
-            return window
-        return window if types[layer_index] == "sliding_attention" else None
 
     def make_mlp(self, layer_index: int) -> nn.Module:
         """Layer `layer_index`'s MLP (a mixture-of-experts model returns its sparse block where it has one)."""
