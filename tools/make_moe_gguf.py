@@ -4,8 +4,8 @@ this writes llama.cpp's `qwen3moe` architecture: q/k norms, a router (ffn_gate_i
 stacked (ffn_gate_exps, ffn_up_exps, ffn_down_exps). The tokenizer fields come from the vocab-only GGUF that
 llama.cpp's tree ships for Qwen2.
 
-    python tools/make_moe_gguf.py --config tools/bench-configs/qwen3-moe-8-layers.json \\
-        --out /tmp/llamacpp/qwen3moe-8l-bf16.gguf [--llama-src /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp]
+    python tools/make_moe_gguf.py --config tools/bench-configs/qwen3-moe-4-layers.json \\
+        --out /tmp/llamacpp/qwen3moe-4l-bf16.gguf [--llama-src /tmp/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp]
 """
 from __future__ import annotations
 

@@ -15,13 +15,20 @@ ROOFLINE = "roofline (this machine's floor)"
 
 
 def roofline_tokens_per_s(batch: int, input_len: int, output_len: int, num_params: int, weight_bytes: int,
-                          kv_bytes_per_token: int, bandwidth: float, flops_rate: float) -> float:
-    """Output tokens/s of the whole batch if every step ran at its floor."""
+                          kv_bytes_per_token: int, bandwidth: float, flops_rate: float, hf_config=None) -> float:
+    """Output tokens/s of the whole batch if every step ran at its floor. With `hf_config`, a step reads and
+    multiplies by the weights its tokens use (a mixture of experts' chosen experts: decode_active_share)."""
     from pagedllm.bench.roofline import decode_floor
+    from pagedllm.memory.model_size import decode_active_share
 
-    prefill = max(weight_bytes / bandwidth, 2 * num_params * batch * input_len / flops_rate)
+    def active(tokens: int) -> tuple[float, float]:
+        return (1.0, 1.0) if hf_config is None else decode_active_share(hf_config, tokens)
+
+    read, used = active(batch * input_len)
+    prefill = max(weight_bytes * read / bandwidth, 2 * num_params * used * batch * input_len / flops_rate)
     mid_context = input_len + output_len // 2  # decode steps read contexts from input_len to input_len+output_len
-    step = decode_floor(num_params, weight_bytes, kv_bytes_per_token, batch, mid_context, bandwidth, flops_rate)
+    step = decode_floor(num_params, weight_bytes, kv_bytes_per_token, batch, mid_context, bandwidth, flops_rate,
+                        active(batch))
     return batch * output_len / (prefill + output_len * step["floor_s"])
 
 
@@ -117,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in args.batch_sizes:
         requests = tp.random_requests(b, args.input_len, args.output_len, 0.0, vocab, args.seed + b)
         rows.append({"backend": ROOFLINE, "batch": b, "output_tokens_per_second": roofline_tokens_per_s(
-            b, args.input_len, args.output_len, *shape, bandwidth, rate)})
+            b, args.input_len, args.output_len, *shape, bandwidth, rate, cfg.hf_config)})
         for backend in backends:
             if backend == "pagedllm":
                 elapsed = tp.run_pagedllm(args, requests, llm)

@@ -77,6 +77,25 @@ def test_sweep_roofline_is_prefill_floor_plus_decode_floors():
     assert tps == pytest.approx(4 / (2 * 1000 * 4 * 8 / 1000 + 2 * 1000 * 4 / 1000))
 
 
+def test_sweep_roofline_of_a_mixture_of_experts_reads_the_chosen_experts():
+    """Qwen3-30B-A3B's shape: a batch-1 decode step's floor reads the experts its token chooses (8 of 128), so the
+    floor is the active share's, not all 30B parameters'."""
+    import json
+
+    from pagedllm.bench.sweep import roofline_tokens_per_s
+    from pagedllm.memory.model_size import decode_active_share
+    from pagedllm.model_executor.model_files import PRESETS_DIR
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(**json.loads((PRESETS_DIR / "qwen3-30b-a3b.json").read_text()))
+    shape = dict(input_len=1, output_len=1, num_params=1000, weight_bytes=10**6, kv_bytes_per_token=0,
+                 bandwidth=1e6, flops_rate=1e15)  # memory-bound: tokens/s = 1 / (prefill reads + decode reads)
+    read_share = decode_active_share(cfg, 1)[0]
+    assert 0.05 < read_share < 0.15  # ~3.3B of 30.5B (the untied embedding table, a row per token, not read)
+    assert roofline_tokens_per_s(1, **shape, hf_config=cfg) == pytest.approx(1 / (2 * read_share), rel=1e-4)
+    assert roofline_tokens_per_s(1, **shape) == pytest.approx(1 / 2)
+
+
 def test_sweep_reads_llamacpp_jsonl_rows_of_the_same_workload(tmp_path):
     from pagedllm.bench.sweep import read_llamacpp_jsonl
 

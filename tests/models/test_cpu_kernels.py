@@ -81,6 +81,51 @@ def test_decode_kernel_matches_the_pytorch_path(dtype, tol, heads, kv_heads, hea
     torch.testing.assert_close(ours.float(), twin.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(14, 2, 64, 16), (8, 8, 32, 12)])
+@pytest.mark.parametrize("window,sinks", [(7, False), (None, True), (20, True)])
+def test_decode_kernel_with_sliding_windows_and_sinks(dtype, tol, heads, kv_heads, head_dim, block_size, window,
+                                                      sinks, kernel_path):
+    """gpt-oss' attention in the decode kernel: keys from len - window on (windows shorter and longer than a
+    block and than the sequence), each head's sink in its denominator; equal to the torch path's mask and sinks."""
+    gen = torch.Generator().manual_seed(5)
+    attn = _attention(heads, kv_heads, head_dim, dtype, 200, block_size, gen)
+    attn.sliding_window = window
+    if sinks:
+        attn.enable_sinks()
+        attn.sinks.data = torch.randn(heads, generator=gen).to(dtype)
+    starts = [0, 5, block_size - 1, 3 * block_size - 1, 150, 97]
+    step = _step(starts, [1] * len(starts), block_size, 200, gen)
+    n = len(starts)
+    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    ours = _run(attn, step, q, k, v, True)
+    twin = _run(attn, step, q, k, v, False)
+    torch.testing.assert_close(ours.float(), twin.float(), rtol=tol, atol=tol)
+    attn.sliding_window, attn.sinks = None, None
+    assert not torch.allclose(_run(attn, step, q, k, v, True).float(), ours.float(), rtol=tol, atol=tol)
+
+
+def test_decode_kernel_ignores_what_lies_before_the_window():
+    """The keys before a window are not read: NaN there (a block given back to the pool, its table entry the
+    null block) does not reach the output."""
+    kernels = cpu_kernels()
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, bs, head_dim = 14, 2, 16, 64
+    k_cache = torch.randn(kv_heads, 8 * bs, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(kv_heads, 8 * bs, head_dim, generator=gen).bfloat16()
+    table, lens = torch.tensor([[5, 2, 3]]), torch.tensor([45])  # keys 0..44; a window of 20 sees 25..44
+    q = torch.randn(1, heads, head_dim, generator=gen).bfloat16()
+    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 20, None)
+    k_cache[:, 5 * bs:6 * bs] = float("nan")  # block 5: keys 0..15
+    k_cache[:, 2 * bs:2 * bs + 9] = float("nan")  # keys 16..24 of block 2, before the window in its tile
+    v_cache[:, 2 * bs:2 * bs + 9] = float("inf")
+    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 20, None)
+    assert torch.isfinite(dirty.float()).all()
+    assert torch.equal(dirty, clean)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_decode_kernel_ignores_what_lies_past_the_last_key(head_dim):
     """In bfloat16 with 16-slot blocks the scores are taken 16 keys at a time from the block (the AMX
@@ -93,11 +138,11 @@ def test_decode_kernel_ignores_what_lies_past_the_last_key(head_dim):
     v_cache = torch.randn(kv_heads, 8 * bs, head_dim, generator=gen).bfloat16()
     table, lens = torch.tensor([[5, 2], [7, 0]]), torch.tensor([21, 16])
     q = torch.randn(2, heads, head_dim, generator=gen).bfloat16()
-    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs)
+    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 0, None)
     k_cache[:, 2 * bs + 5:3 * bs] = float("nan")  # block 2 after the 21st key of sequence 0
     v_cache[:, 2 * bs + 5:3 * bs] = float("inf")
     k_cache[:, 0:bs] = float("nan")  # block 0: sequence 1's second block, beyond its 16 keys
-    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs)
+    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 0, None)
     assert torch.isfinite(dirty.float()).all()
     assert torch.equal(dirty, clean)
 
@@ -301,12 +346,12 @@ def test_kernels_refuse_indices_outside_their_tables():
     kernels = cpu_kernels()
     cache = torch.zeros(2, 4 * 16, 64)
     q = torch.zeros(1, 4, 64)
-    ok = kernels.paged_decode_attention(q, cache, cache, torch.tensor([[3]]), torch.tensor([16]), 0.125, 16)
+    ok = kernels.paged_decode_attention(q, cache, cache, torch.tensor([[3]]), torch.tensor([16]), 0.125, 16, 0, None)
     assert ok.shape == (1, 4, 64)
     with pytest.raises(RuntimeError, match="outside the KV cache"):
-        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[4]]), torch.tensor([5]), 0.125, 16)
+        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[4]]), torch.tensor([5]), 0.125, 16, 0, None)
     with pytest.raises(RuntimeError, match="keys; its block table holds"):
-        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125, 16)
+        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125, 16, 0, None)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         kernels.rotary_embedding(torch.zeros(2, 1, 8), torch.tensor([0, 10]), torch.zeros(10, 8), torch.zeros(10, 8))
 

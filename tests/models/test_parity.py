@@ -75,7 +75,7 @@ def _cases() -> list[tuple[str, str, str]]:
         cases += [(arch, regime, "torch") for regime in ("default", "chunked_prefill", "preemption")]
         cases.append((arch, "default", "auto"))
     # gpt-oss' windows and sinks in the triton kernels, prefill chunks and decodes in mixed steps (the cpu
-    # backend's decode kernel has neither: torch's path, in the auto case)
+    # backend's decode kernel: test_sliding_window_models_match_transformers, at a head size it is built for)
     cases.append(("gpt_oss", "chunked_prefill", "triton"))
     return cases
 
@@ -110,14 +110,17 @@ def test_rope_variants_match_transformers(tmp_path, rope):
     ("mistral", {"sliding_window": 8}),  # every layer windowed
     ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),  # layers 1+ (layer_types)
     ("mixtral", {"sliding_window": 8}),
+    ("gpt_oss", {"head_dim": 32}),  # windowed layers 0 and 2, sinks everywhere: the cpu decode kernel's head size
 ])
 def test_sliding_window_models_match_transformers(tmp_path, arch, overrides):
     """Windows of 8 tokens, shorter than every prompt but one: no longer refused, and attended as transformers
-    attends them (the cpu backend's decode kernel has no window: such layers take the torch path)."""
+    attends them, in the cpu backend where its decode kernel has the head size (windows and sinks included)."""
     path = make_tiny_model(tmp_path / "m", arch, **overrides)
     llm = LLM(str(path), dtype="float32", max_model_len=64)
+    kernel = llm.llm_engine.config.model.head_dim in DECODE_KERNEL_HEAD_DIMS  # all but mixtral's 16
+    assert llm.llm_engine.executor.driver.attn_backend.name == ("cpu" if kernel else "torch")
     windows = [layer.self_attn.attn.sliding_window for layer in llm.llm_engine.executor.driver.model.model.layers]
-    assert windows == ([None, 8] if arch == "qwen3" else [8, 8])
+    assert windows == {"qwen3": [None, 8], "gpt_oss": [8, None, 8]}.get(arch, [8, 8])
     _check_against_reference(llm, path)
 
 

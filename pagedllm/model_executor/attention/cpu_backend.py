@@ -36,7 +36,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.kernels.write_kv_cache(layer.k_cache, layer.v_cache, slots, k, v)
 
     def decode_kernel(self, layer: PagedAttention, q: torch.Tensor):
-        if layer.sliding_window is not None or layer.sinks is not None:
-            return None  # (the kernel has neither: the torch path's gather and matmuls)
-        return self.kernels.paged_decode_attention
+        return self.kernels.paged_decode_attention  # (sliding windows and sinks included)
 

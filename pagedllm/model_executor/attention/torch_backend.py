@@ -81,11 +81,12 @@ class TorchAttentionBackend(AttentionBackend):
         for g in meta.groups:
             if g.is_decode and kernel is not None:
                 # Straight from the cache through the block tables: no gathered copy of K/V.
+                window = layer.sliding_window or 0
                 if g.covers_step:
                     return kernel(q, layer.k_cache, layer.v_cache, g.block_index, g.key_lens, layer.scale,
-                                  meta.block_size)
+                                  meta.block_size, window, layer.sinks)
                 out[g.dest_index] = kernel(q[g.dest_index], layer.k_cache, layer.v_cache, g.block_index, g.key_lens,
-                                           layer.scale, meta.block_size)
+                                           layer.scale, meta.block_size, window, layer.sinks)
                 continue
             # One gather per tensor of the group's whole blocks, already (kv_heads, B, keys, dim):
             # the head-major cache makes each block of one head a contiguous run of positions.

@@ -3,6 +3,9 @@
 // head), one item at a time to whichever thread is free; the query heads that share a KV head (GQA)
 // read each key and value row once.
 // Scores, softmax and the weighted sum of values are computed in float32; the output is rounded once.
+// A sliding window (gpt-oss, Mistral) starts the keys at len - window (the tiles before it are not read; a
+// tile's keys before it are masked); attention sinks (gpt-oss) add exp(sink) of each query head to its
+// softmax's denominator (the sink joins the maximum, as transformers concatenates it to the scores).
 // In bfloat16 on a CPU with AMX (block size a multiple of 16, head size a multiple of 32), the scores
 // take the matrix unit: each 16 keys of a block are one tile read straight from the cache, multiplied
 // by the group's queries laid out as the VNNI operand; the products are exact in float32, the sums
@@ -43,7 +46,7 @@ inline void score_tile(const c10::BFloat16* keys, int64_t k_slot, const uint32_t
 template <typename T, int NC>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
-                      int64_t block_size, at::Tensor& out) {
+                      int64_t block_size, int64_t window, const float* sinks, at::Tensor& out) {
   constexpr int64_t dim = NC * 16;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t num_kv_heads = k_cache.size(0);
@@ -84,6 +87,8 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     while (next(first, end)) for (int64_t item = first; item < end; ++item) {
       const int64_t seq = item / num_kv_heads, kv = item % num_kv_heads;
       const int64_t n = lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;  // the first key the query sees
+      const int64_t first_tile = first / 16 * 16;  // tiles start there (16-key tiles lie inside a block)
       const int64_t* blocks = table + seq * table_stride;
       // Slot of key s: a shift and a mask for a power-of-two block size (a division costs ~40 cycles).
       auto slot_of = [&](int64_t s) {
@@ -98,23 +103,28 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       if constexpr (std::is_same_v<T, c10::BFloat16>) if (use_amx) {
         scores.resize(padded * 16);  // key-major: 16 lanes = the group's heads
         queries_as_tiles<NC>(q_data + seq * q_seq + kv * group * q_head, q_head, group, qt);
-        for (int64_t s0 = 0; s0 < n; s0 += 16) {
-          for (int64_t s = s0 == 0 ? 16 : s0 + 32; s < std::min<int64_t>(s0 + 48, n); ++s) {
+        for (int64_t s0 = first_tile; s0 < n; s0 += 16) {
+          for (int64_t s = s0 == first_tile ? s0 + 16 : s0 + 32; s < std::min<int64_t>(s0 + 48, n); ++s) {
             prefetch_row(k_base + slot_of(s) * k_slot);
           }
           score_tile<NC>(k_base + slot_of(s0) * k_slot, k_slot, qt, scores.data() + s0 * 16);
         }
-        f32x16 mx = f32x16{} - std::numeric_limits<float>::infinity(), sum{};
-        for (int64_t s = 0; s < n; ++s) {
+        f32x16 mx = f32x16{} - std::numeric_limits<float>::infinity(), sum{}, sink = mx;
+        if (sinks != nullptr) {
+          for (int64_t g = 0; g < group; ++g) sink[g] = sinks[kv * group + g];
+          mx = sink;
+        }
+        for (int64_t s = first; s < n; ++s) {
           const f32x16 v = load16(scores.data() + s * 16) * fscale;
           store16(scores.data() + s * 16, v);
           mx = v > mx ? v : mx;
         }
-        for (int64_t s = 0; s < n; ++s) {
+        for (int64_t s = first; s < n; ++s) {
           const f32x16 e = exp16(load16(scores.data() + s * 16) - mx);
           store16(scores.data() + s * 16, e);
           sum += e;
         }
+        if (sinks != nullptr) sum += exp16(sink - mx);
         for (int64_t g = 0; g < group; ++g) inv_total[g] = 1.f / sum[g];
         p_head = 1;
         p_key = 16;
@@ -129,11 +139,12 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         // Scores, 16 keys at a time: their rows are converted once into a float tile (L1-resident), then
         // each query head of the group takes 16 dot products, reduced together by sum16x16.
         std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-        for (int64_t s0 = 0; s0 < n; s0 += 16) {
+        for (int64_t s0 = first_tile; s0 < n; s0 += 16) {
           const int keys = static_cast<int>(std::min<int64_t>(16, n - s0));
+          const int skipped = static_cast<int>(std::max<int64_t>(0, first - s0));  // before the window
           // Rows two tiles ahead sit in other blocks, anywhere in the pool: start loading them now (the
           // hardware prefetcher only follows the block it is in). 64 x 2048 keys: 13.4 -> 8.5 ms.
-          for (int64_t s = s0 == 0 ? 16 : s0 + 32; s < std::min<int64_t>(s0 + 48, n); ++s) {
+          for (int64_t s = s0 == first_tile ? s0 + 16 : s0 + 32; s < std::min<int64_t>(s0 + 48, n); ++s) {
             prefetch_row(k_base + slot_of(s) * k_slot);
           }
           for (int j = 0; j < keys; ++j) {
@@ -152,6 +163,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
               dots[j] = dot;
             }
             f32x16 block = sum16x16(dots);
+            for (int j = 0; j < skipped; ++j) block[j] = -std::numeric_limits<float>::infinity();  // before the window
             for (int j = keys; j < 16; ++j) block[j] = -std::numeric_limits<float>::infinity();  // past the last key
             std::memcpy(scores.data() + g * padded + s0, &block, sizeof block);
             float mx = row_max[g];
@@ -161,24 +173,26 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         }
         for (int64_t g = 0; g < group; ++g) {
           float* sg = scores.data() + g * padded;
-          const float mx = row_max[g];
+          const float sink = sinks != nullptr ? sinks[kv * group + g] : -std::numeric_limits<float>::infinity();
+          const float mx = std::max(row_max[g], sink);
           f32x16 sum{};
-          for (int64_t s = 0; s < padded; s += 16) {
+          for (int64_t s = first_tile; s < padded; s += 16) {
             f32x16 e = exp16(load16(sg + s) - mx);
             if (s + 16 > n) {
               for (int64_t i = n - s; i < 16; ++i) e[i] = 0.f;  // past the last key
             }
+            for (int64_t i = 0; i < first - s && i < 16; ++i) e[i] = 0.f;  // before the window
             std::memcpy(sg + s, &e, sizeof e);
             sum += e;
           }
-          inv_total[g] = 1.f / sum16(sum);
+          inv_total[g] = 1.f / (sum16(sum) + (sinks != nullptr ? std::exp(sink - mx) : 0.f));
         }
       }
       // Weighted sum of values, each value row read once.
       for (auto& a : acc) a = f32x16{};
       const T* v_base = v_data + kv * v_head;
-      for (int64_t s = 0; s < std::min<int64_t>(32, n); ++s) prefetch_row(v_base + slot_of(s) * v_slot);
-      for (int64_t s = 0; s < n; ++s) {
+      for (int64_t s = first; s < std::min<int64_t>(first + 32, n); ++s) prefetch_row(v_base + slot_of(s) * v_slot);
+      for (int64_t s = first; s < n; ++s) {
         if (s + 32 < n) prefetch_row(v_base + slot_of(s + 32) * v_slot);
         const T* src = v_base + slot_of(s) * v_slot;
         f32x16 row[NC];
@@ -204,26 +218,30 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 template <typename T>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
-                       int64_t block_size, at::Tensor& out) {
+                       int64_t block_size, int64_t window, const float* sinks, at::Tensor& out) {
+#define PAGEDLLM_DECODE(NC) \
+  decode_attention<T, NC>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, window, sinks, out)
   switch (q.size(2)) {
-    case 32: return decode_attention<T, 2>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
-    case 64: return decode_attention<T, 4>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
-    case 80: return decode_attention<T, 5>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
-    case 96: return decode_attention<T, 6>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
-    case 128: return decode_attention<T, 8>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
-    case 256: return decode_attention<T, 16>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+    case 32: return PAGEDLLM_DECODE(2);
+    case 64: return PAGEDLLM_DECODE(4);
+    case 80: return PAGEDLLM_DECODE(5);
+    case 96: return PAGEDLLM_DECODE(6);
+    case 128: return PAGEDLLM_DECODE(8);
+    case 256: return PAGEDLLM_DECODE(16);
     default: TORCH_CHECK(false, "head_dim ", q.size(2), " is not one of 32, 64, 80, 96, 128, 256");
   }
+#undef PAGEDLLM_DECODE
 }
 
 }  // namespace
 
 // q: (seqs, heads, dim); k_cache, v_cache: (kv_heads, slots, dim), rows contiguous; block_table:
-// (seqs, blocks) int64; key_lens: (seqs,) int64, keys 0 .. len-1 of each sequence are attended to.
+// (seqs, blocks) int64; key_lens: (seqs,) int64, keys 0 .. len-1 of each sequence are attended to, or with
+// window > 0 the last `window` of them; sinks: None or (heads,) logits added to each softmax's denominator.
 // Returns (seqs, heads, dim) in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
-                                  int64_t block_size) {
+                                  int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -235,6 +253,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_table.stride(1) == 1 && key_lens.is_contiguous(), "index tensors must be contiguous");
   TORCH_CHECK(key_lens.size(0) == q.size(0) && block_table.size(0) == q.size(0), "one row per sequence");
   TORCH_CHECK(block_size >= 1 && v_cache.sizes() == k_cache.sizes(), "block_size >= 1, K and V caches alike");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  at::Tensor sink_logits;  // float32, one per query head
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "sinks must be (heads,)");
+    sink_logits = sinks->to(at::kFloat).contiguous();
+  }
+  const float* sink_data = sink_logits.defined() ? sink_logits.data_ptr<float>() : nullptr;
   // Every read goes through these: keep them inside the cache (a few hundred integers to look at).
   const int64_t num_blocks = k_cache.size(1) / block_size, width = block_table.size(1);
   const int64_t* lens = key_lens.data_ptr<int64_t>();
@@ -251,13 +276,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_head_dim<float>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+      dispatch_head_dim<float>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, window, sink_data, out);
       break;
     case at::kBFloat16:
-      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, window,
+                                      sink_data, out);
       break;
     case at::kHalf:
-      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, out);
+      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, window, sink_data,
+                                  out);
       break;
     default:
       TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
