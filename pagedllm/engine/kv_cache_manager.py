@@ -228,7 +228,7 @@ class KVCacheManager:
         """Offer the request's blocks that `num_tokens` tokens fill to the prefix cache."""
         rid = request.request_id
         done, full = self._num_cached_blocks[rid], num_tokens // self.block_size
-        if not self.enable_caching:
+        if not self.enable_caching or min(done) >= full:
             return
         hashes = self.block_hashes(request)
         for g, table in enumerate(self.tables[rid]):

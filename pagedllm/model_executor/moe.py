@@ -82,16 +82,23 @@ class Router(Linear):
 
 class MoEMethod:
     """The reference: each expert that has tokens this step multiplies them all at once, from its slice of
-    the stacked weights."""
+    the stacked weights.
+
+    The step's tokens are gathered once in expert order, each expert reads its run of them and writes its
+    weighted output to the same run, and one index_add_ sums every token's experts (in expert order, as
+    transformers' loop does): a handful of ops per expert, which a decode step of Qwen3-30B-A3B's shape at
+    batch 32 runs ~112 times per layer."""
 
     name = "grouped"
 
     def apply(self, layer: FusedMoE, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for expert, rows, slots in expert_groups(ids, layer.num_experts):
-            h = self.expert_forward(layer, expert, x[rows])
-            out.index_add_(0, rows, (h * weights.flatten()[slots, None]).to(out.dtype))
-        return out
+        groups = ExpertGroups.of(ids, layer.num_experts)
+        xs = x[groups.rows]
+        ws = weights.flatten()[groups.order, None]
+        ys = torch.empty_like(xs)
+        for expert, start, end in groups.runs():
+            ys[start:end] = self.expert_forward(layer, expert, xs[start:end]) * ws[start:end]
+        return torch.zeros_like(x).index_add_(0, groups.rows, ys)
 
     def expert_forward(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One expert's gated MLP on its tokens."""
@@ -100,19 +107,28 @@ class MoEMethod:
         return F.linear(layer.act_and_mul(F.linear(x, layer.w13_weight[expert], b13)), layer.w2_weight[expert], b2)
 
 
-def expert_groups(ids: torch.Tensor, num_experts: int):
-    """The step's (token, slot) pairs grouped by expert, in expert order: (expert, token rows, flat slots) for
-    each expert chosen at least once. One sort and one host read of the counts per layer."""
-    k = ids.shape[1]
-    flat = ids.flatten()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            slots = order[start:start + count]
-            yield expert, slots // k, slots
-            start += count
+@dataclass(frozen=True)
+class ExpertGroups:
+    """The step's (token, slot) pairs in expert order: `order` the flat slots (token * top_k + j) sorted by expert,
+    `rows` their tokens, `counts` the pairs of each expert. One sort and one host read of the counts per layer."""
+
+    order: torch.Tensor
+    rows: torch.Tensor
+    counts: list[int]
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, num_experts: int) -> ExpertGroups:
+        flat = ids.flatten()
+        order = torch.argsort(flat, stable=True)
+        return cls(order, order // ids.shape[1], torch.bincount(flat, minlength=num_experts).tolist())
+
+    def runs(self):
+        """(expert, start, end) of each expert chosen at least once: its pairs are order[start:end]."""
+        start = 0
+        for expert, count in enumerate(self.counts):
+            if count:
+                yield expert, start, start + count
+                start += count
 
 
 GROUPED = MoEMethod()

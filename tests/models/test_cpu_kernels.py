@@ -46,6 +46,16 @@ def _step(starts, lengths, block_size, num_blocks, gen):
     return starts, lengths, tables, block_size
 
 
+def _decode_step(attn, dtype, num_blocks: int, block_size: int, gen):
+    """A decode step of six requests seeing 1 key (a first token), a partial block, exactly one block and many
+    blocks: (step, q, k, v)."""
+    starts = [0, 5, block_size - 1, 3 * block_size - 1, 150, 97]
+    step = _step(starts, [1] * len(starts), block_size, num_blocks, gen)
+    q, k, v = (torch.randn(len(starts), heads, attn.head_dim, generator=gen).to(dtype)
+               for heads in (attn.num_heads, attn.num_kv_heads, attn.num_kv_heads))
+    return step, q, k, v
+
+
 def _run(attn, step, q, k, v, use_kernel: bool):
     """The step through the cpu backend (native kernels) or the torch backend (its twin)."""
     backend = CpuAttentionBackend() if use_kernel else TorchAttentionBackend()
@@ -67,17 +77,11 @@ def test_decode_kernel_matches_the_pytorch_path(dtype, tol, heads, kv_heads, hea
     gen = torch.Generator().manual_seed(0)
     num_blocks = 200
     attn = _attention(heads, kv_heads, head_dim, dtype, num_blocks, block_size, gen)
-    # Keys seen per request: 1 (a first token), a partial block, exactly one block, many blocks.
-    starts = [0, 5, block_size - 1, 3 * block_size - 1, 150, 97]
-    step = _step(starts, [1] * len(starts), block_size, num_blocks, gen)
+    step, q, k, v = _decode_step(attn, dtype, num_blocks, block_size, gen)
     assert build_attention_metadata(*step, CPU).groups[0].covers_step
-    n = len(starts)
-    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
     ours = _run(attn, step, q, k, v, True)
     twin = _run(attn, step, q, k, v, False)
-    assert ours.dtype == dtype and ours.shape == (n, heads, head_dim)
+    assert ours.dtype == dtype and ours.shape == (len(q), heads, head_dim)
     torch.testing.assert_close(ours.float(), twin.float(), rtol=tol, atol=tol)
 
 
@@ -94,12 +98,7 @@ def test_decode_kernel_with_sliding_windows_and_sinks(dtype, tol, heads, kv_head
     if sinks:
         attn.enable_sinks()
         attn.sinks.data = torch.randn(heads, generator=gen).to(dtype)
-    starts = [0, 5, block_size - 1, 3 * block_size - 1, 150, 97]
-    step = _step(starts, [1] * len(starts), block_size, 200, gen)
-    n = len(starts)
-    q = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    step, q, k, v = _decode_step(attn, dtype, 200, block_size, gen)
     ours = _run(attn, step, q, k, v, True)
     twin = _run(attn, step, q, k, v, False)
     torch.testing.assert_close(ours.float(), twin.float(), rtol=tol, atol=tol)

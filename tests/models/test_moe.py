@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from pagedllm import LLM, SamplingParams
 from pagedllm.model_executor.layers import ActAndMul
 from pagedllm.model_executor.models.llama import LlamaMLP
-from pagedllm.model_executor.moe import FusedMoE, Routing, SparseMoeBlock, expert_groups
+from pagedllm.model_executor.moe import ExpertGroups, FusedMoE, Routing, SparseMoeBlock
 from tests.helpers import MOE_ARCHS, hf_greedy
 
 
@@ -42,7 +42,7 @@ def test_grouped_experts_equal_the_per_token_sum(bias):
     weights, ids = Routing(top_k=3)(torch.randn(9, 6, generator=gen))
     torch.testing.assert_close(moe(x, weights, ids), _per_token(moe, x, weights, ids), rtol=1e-5, atol=1e-5)
     unused = torch.zeros(9, 3, dtype=torch.long)  # every token to expert 0: the others never run
-    assert [e for e, _, _ in expert_groups(unused, 6)] == [0]
+    assert [e for e, _, _ in ExpertGroups.of(unused, 6).runs()] == [0]
 
 
 def test_routing_as_transformers_routes():

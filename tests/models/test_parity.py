@@ -139,8 +139,8 @@ def test_llama_with_attention_and_mlp_bias_matches_transformers(tmp_path):
                                             ("qwen3_moe", {})])
 def test_bfloat16_logprobs_close_to_transformers_bfloat16(tmp_path, arch, overrides, cpu_path):
     """bf16 on CPU, on every CPU path this machine can run (cpu_isa.py): cpu_kernels' packed Linears with the
-    tied head's packed embedding and the fused MLP (amx, avx2), each expert packed the same way, oneDNN's
-    (avx512_bf16), or PyTorch's ops (none). Prompt logprobs (a 33-row prefill) and the logprobs of 8 greedy
+    tied head's packed embedding and the fused MLP (amx, avx2), oneDNN's (avx512_bf16), each expert packed as a
+    dense Linear is, or PyTorch's ops (none). Prompt logprobs (a 33-row prefill) and the logprobs of 8 greedy
     decode steps (one row each) stay within bf16 noise of transformers running the same weights in bf16."""
     import torch
 
@@ -154,8 +154,11 @@ def test_bfloat16_logprobs_close_to_transformers_bfloat16(tmp_path, arch, overri
     mlp = model.model.layers[0].mlp
     if arch in MOE_ARCHS:
         experts = mlp.experts
-        assert experts.method.name == ("kernel-packed-experts" if own_kernels else "grouped")
-        assert (experts.w13_weight.numel() == 0) == own_kernels  # the stacked weights freed once packed
+        assert experts.method.name == ("packed-experts" if cpu_path != "none" else "grouped")
+        assert (experts.w13_weight.numel() == 0) == (cpu_path != "none")  # the stacked weights freed once packed
+        if cpu_path != "none":  # each expert in the path's layout, as a dense MLP's
+            layout = "kernel-packed-gate-up" if own_kernels else "onednn-packed"
+            assert {g.method.name for g in experts.method.gate_up} == {layout}
         mlp = model.model.layers[1].mlp  # (a dense layer)
     assert (mlp.down_proj.weight.numel() == 0) == (cpu_path != "none")  # re-laid for the path's kernels
     assert (mlp.gate_up_proj.method.name == "kernel-packed-gate-up") == own_kernels  # SiLU as the product leaves
