@@ -57,7 +57,7 @@ def assert_no_leak(llm: LLM) -> None:
     engine = llm.llm_engine
     engine.check_integrity()  # both pools
     kv = engine.kv_cache
-    assert kv.num_free_blocks == kv.pool.num_blocks and kv.num_swapped_blocks == 0
+    assert kv.num_free_blocks == kv.pool.num_blocks - (kv.null_block is not None) and kv.num_swapped_blocks == 0
     assert not engine.scheduler.swapped and not kv.swapped_tables
 
 
@@ -109,6 +109,21 @@ def test_without_the_swap_in_copies_the_outputs_change(path, reference):
     got = greedy(llm, PROMPTS)
     assert llm.llm_engine.swap_stats.swapped_in_blocks > 0
     assert [ids for ids, _ in got] != [ids for ids, _ in reference]
+
+
+def test_a_windowed_model_swaps_every_groups_blocks(tiny_models):
+    """gpt-oss (a full-attention KV group and two window groups, kv_layout.py): swapped-out requests resume from
+    every group's K/V, the blocks below their windows staying dropped; equal to transformers, nothing recomputed."""
+    path = tiny_models["gpt_oss"]
+    # 49 blocks of one layer each: one 64-token sequence with its prompt in one step (16 per group + the null block)
+    llm = LLM(str(path), swap_space=SWAP, preemption_mode="swap", enable_prefix_caching=False,
+              **{**TIGHT, "num_gpu_blocks_override": 49})
+    assert len(llm.llm_engine.kv_cache.groups) == 3
+    computed = count_computed_tokens(llm)
+    assert_equal(greedy(llm, PROMPTS), [hf_greedy(path, p, MAX_TOKENS) for p in PROMPTS])
+    stats, swaps = llm.llm_engine.preemption_stats, llm.llm_engine.swap_stats
+    assert stats.swap > 0 and stats.recompute == 0 and swaps.swapped_in_blocks == swaps.swapped_out_blocks > 0
+    assert computed[0] == sum(len(p) + MAX_TOKENS - 1 for p in PROMPTS)
 
 
 def test_automatic_mode_with_a_small_host_pool_mixes_both_kinds(path, reference):
