@@ -200,6 +200,21 @@ def test_auto_max_model_len_json(capsys):
     assert code == 0 and json.loads(out)["max_model_len"] == json.loads(out)["max_model_len_fit"] == 131072
 
 
+def test_a_windowed_model_counts_its_window_groups(capsys):
+    """gpt-oss-20b: its 12 windowed layers hold a 128-token window (9 blocks of 16 at most), so about twice the
+    sequences of a full-attention count fit; the text names the groups and both counts."""
+    argv = ["plan", "gpt-oss-20b", "--device", "cuda", "--device-memory", "80GiB", "--max-model-len", "32768"]
+    code, out, err = run_main(capsys, *argv, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["kv_groups"] == "2 groups of 12 layers: 12 full-attention, 12 with a 128-token window"
+    per_sequence = 32768 // 16 + 9  # the full group's blocks and the window's
+    assert data["max_concurrency"] == pytest.approx((data["num_blocks"] - 1) / per_sequence, abs=1e-3)
+    assert data["max_concurrency_full_attention"] == pytest.approx(data["num_blocks"] * 16 / 2 / 32768, abs=1e-3)
+    code, out, _ = run_main(capsys, *argv)
+    assert f"not {2 * 32768 // 16}" in out and "KV groups" in out
+
+
 def test_plan_of_a_model_folder_reads_its_safetensors_headers(capsys, tiny_models):
     import torch
 
