@@ -66,7 +66,8 @@ def _replays(llm) -> dict[int, int]:
 
 
 # Each case runs the interpreted kernels twice (seconds each): each architecture with one sampling mode.
-@pytest.mark.parametrize("arch,sampling", [("llama", "greedy"), ("qwen3", "seeded")])
+# gpt-oss: three KV groups (kv_layout.py), each with its own backend's persistent buffers; windows and sinks.
+@pytest.mark.parametrize("arch,sampling", [("llama", "greedy"), ("qwen3", "seeded"), ("gpt_oss", "greedy")])
 def test_tokens_with_graphs_equal_tokens_without(tiny_models, arch, sampling):
     """Every size (1, 2, 4, 8) replayed, most with padded rows (7, 6, 5 and 3 rows); the prefill steps
     run eagerly. Same tokens; logprobs within float32 rounding (a padded batch's matmuls are another
