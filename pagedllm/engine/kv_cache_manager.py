@@ -176,7 +176,7 @@ class KVCacheManager:
             raise RuntimeError(f"request {rid} already holds blocks: only a new table starts from a cached prefix")
         if prefix.num_tokens:
             self._check_prefix(request, prefix_tables)
-        if tables:
+        if tables and self.null_block is not None:  # (only window groups drop blocks)
             self._drop_blocks_below_windows(request, tables)
         num_tokens = request.num_computed_tokens + prefix.num_tokens + num_new_tokens
         current = tables or [list(t) for t in prefix_tables]
