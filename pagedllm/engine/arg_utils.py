@@ -27,6 +27,7 @@ from pagedllm.config import (
 )
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.moe import num_experts
+from pagedllm.model_executor.quant import checkpoint_quant
 from pagedllm.structured_output_limits import StructuredOutputLimits
 from pagedllm.model_executor.model_files import has_tokenizer, load_hf_config, resolve_model_path
 from pagedllm.utils import gib_to_bytes, parse_size
@@ -296,14 +297,16 @@ class EngineArgs:
             raise UnsupportedModelError(
                 "--quantization int8 quantizes dense Linear layers; this model's experts (a mixture of experts) "
                 "cannot be int8 yet: serve it in bfloat16, or from an FP8 / int4 checkpoint once those load.")
-        checkpoint_quant = getattr(hf_config, "quantization_config", None)
-        if checkpoint_quant and self.load_format != "dummy":
-            method = (checkpoint_quant.get("quant_method") if isinstance(checkpoint_quant, dict)
-                      else getattr(checkpoint_quant, "quant_method", None))
-            raise UnsupportedModelError(
-                f"this checkpoint is already quantized (config.json has a quantization_config, quant_method "
-                f"{method!r}); pagedllm loads 16/32-bit checkpoints only. Use the unquantized checkpoint, with "
-                f"--quantization int8 for int8 weights.")
+        stored = checkpoint_quant(hf_config)  # (raises for a format pagedllm does not load)
+        if stored is None:
+            return
+        if self.quantization is not None:
+            raise ValueError(f"--quantization {self.quantization} quantizes a 16/32-bit checkpoint at load; this "
+                             f"checkpoint is already quantized ({stored.describe()}) and loads as stored: drop "
+                             f"--quantization.")
+        if self.tensor_parallel_size > 1:
+            raise UnsupportedModelError(f"tensor parallelism over a quantized checkpoint ({stored.describe()}) is "
+                                        f"not supported yet: serve it with --tensor-parallel-size 1.")
 
     def _cpu_offload_bytes(self, device: str) -> int:
         """--cpu-offload-gb in bytes; refused where there is no accelerator memory to relieve."""

@@ -19,6 +19,7 @@ from pagedllm.memory.model_size import (
 from pagedllm.memory.plan import MiB, DeviceFacts, MemoryPlan, ModelFacts, PlanSettings
 from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.model_executor.moe import experts_summary
+from pagedllm.model_executor.quant import checkpoint_quant
 
 # Runtime overhead a dry run assumes: on a GPU the CUDA context, the kernels PyTorch and cuBLAS load
 # and their workspaces; the Python interpreter, torch and tokenizer on a CPU. The engine measures its
@@ -51,6 +52,11 @@ def device_facts(mem: DeviceMemory, source: str = "measured", host: DeviceMemory
                        host_total, host_used, mem.page_cache_bytes, h2d_bytes_per_s)
 
 
+def _stored_format(hf_config) -> str:
+    stored = checkpoint_quant(hf_config)
+    return "" if stored is None else stored.describe()
+
+
 def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int, device: str) -> ModelFacts:
     """Weights from safetensors headers (exact) or config shapes; activations and overhead estimated."""
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
@@ -75,6 +81,7 @@ def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int,
         kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.kv_dtype, s.tensor_parallel_size),
         weights_source=weights_source,
         experts=experts_summary(hf_config),
+        stored_format=_stored_format(hf_config),
         kv_layout=KVCacheLayout.of_config(hf_config),
         graph_pool_bytes=lambda s: int(_graph_pool_estimate(hf_config, s) * CUDA_ALLOCATOR_SHARE),
     )
@@ -128,6 +135,7 @@ def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSetting
         kv_bytes_per_token=lambda s: kv_bytes_per_token(hf_config, s.kv_dtype, s.tensor_parallel_size),
         weights_source="measured",
         experts=experts_summary(hf_config),
+        stored_format=_stored_format(hf_config),
         kv_layout=KVCacheLayout.of_config(hf_config),
         activation_source=activation_source,
         overhead_source="measured",

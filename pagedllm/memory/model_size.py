@@ -10,6 +10,8 @@ import torch
 
 from pagedllm.model_executor.kv_quant import kv_scale_target
 from pagedllm.model_executor.moe import expert_width, is_sparse_layer, num_experts
+from pagedllm.model_executor.quant import checkpoint_quant
+from pagedllm.model_executor.quant.mxfp4 import mxfp4_expert_bytes
 from pagedllm.model_executor.quantization import (
     int8_weight_bytes,
     is_quantized_weight_name,
@@ -83,7 +85,33 @@ def layer_weight_bytes_from_config(cfg, dtype: torch.dtype, quantization: str | 
     if quantization == "int8":
         for out, inp in _decoder_linear_shapes(cfg):
             total += int8_weight_bytes(out, inp, dtype) - out * inp * dtype.itemsize
+    stored = checkpoint_quant(cfg)
+    if stored is not None:
+        total += _stored_bytes_saved(cfg, dtype, stored, index)
     return total
+
+
+def _stored_bytes_saved(cfg, dtype: torch.dtype, stored, index: int) -> int:
+    """Bytes layer `index` holds in a quantized checkpoint's formats less the same weights in `dtype` (negative):
+    each quantized Linear's format bytes (quant/), MXFP4 experts' values and scales."""
+    h, d = cfg.hidden_size, _head_dim(cfg)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    prefix = f"model.layers.{index}."
+    linears = [([f"{prefix}self_attn.{p}_proj" for p in "qkv"], (heads + 2 * kv_heads) * d, h),
+               ([f"{prefix}self_attn.o_proj"], h, heads * d)]
+    if not is_sparse_layer(cfg, index):
+        i = cfg.intermediate_size
+        linears += [([f"{prefix}mlp.gate_proj", f"{prefix}mlp.up_proj"], 2 * i, h), ([f"{prefix}mlp.down_proj"], h, i)]
+    saved = 0
+    for names, out, inp in linears:
+        fmt = stored.format_of(names)
+        if fmt is not None:
+            saved += fmt.weight_bytes(out, inp, dtype) - out * inp * dtype.itemsize
+    if is_sparse_layer(cfg, index) and stored.experts == "mxfp4":
+        e, w = num_experts(cfg), expert_width(cfg)
+        saved += mxfp4_expert_bytes(e, h, w) - e * 3 * h * w * dtype.itemsize
+    return saved
 
 
 def weight_bytes_from_config(cfg, dtype: torch.dtype, quantization: str | None = None) -> int:

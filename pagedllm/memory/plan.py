@@ -116,6 +116,7 @@ class ModelFacts:
     graph_pool_source: str = "estimated"
     vocab_size: int = 0  # the logits' width: the structured outputs' token bitmask has a bit per token
     experts: str = ""  # a mixture of experts: what the weights hold of them ("every expert: ..."); "": dense
+    stored_format: str = ""  # a quantized checkpoint's formats, as the weights are held ("mxfp4 experts"); "": none
     # Which layers share a block table (kv_layout.py); None or one without windows: every layer's K/V of a
     # token stays while its sequence does.
     kv_layout: KVCacheLayout | None = None
@@ -653,7 +654,8 @@ class MemoryPlan:
     # -- presentation ---------------------------------------------------------------------------
     def _weights_row(self) -> tuple[str, str, str]:
         s = self.settings
-        label = f"model weights ({_dtype_name(s.dtype)}{', int8 decoder linears' if s.quantization else ''})"
+        stored = f", {self.model.stored_format}" if self.model.stored_format else ""
+        label = f"model weights ({_dtype_name(s.dtype)}{', int8 decoder linears' if s.quantization else ''}{stored})"
         note = self.model.weights_source + (f"; {self.model.experts}" if self.model.experts else "")
         if self.offloaded_layers:
             slots = device_slots(self.offloaded_layers)

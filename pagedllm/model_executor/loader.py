@@ -16,9 +16,11 @@ from pagedllm.model_executor.cpu_ops import install_cpu_ops
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, select_forwards
 from pagedllm.model_executor.meta import on_meta_device
 from pagedllm.model_executor.model_files import weight_files
-from pagedllm.model_executor.moe import FusedMoE
+from pagedllm.model_executor.moe import GROUPED, FusedMoE
 from pagedllm.model_executor.models.registry import get_model_class
 from pagedllm.model_executor.offload import HostLayer, LayerOffloader, offload_layers, offloaded_layer_indices
+from pagedllm.model_executor.quant.config import checkpoint_quant, convert_checkpoint
+from pagedllm.model_executor.quant.mxfp4 import MXFP4_EXPERTS, init_dummy_mxfp4
 from pagedllm.model_executor.quantization import quantize_model
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,9 @@ def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
         torch.set_default_dtype(prev_dtype)
     # int8 weights are built in host memory: the device only ever holds their final form. Quantizing
     # replaces the Linears' parameters, so their layers' host buffers are made after it.
+    # A quantized checkpoint's Linears and experts hold its formats' parameters from the start (quant/).
+    stored = checkpoint_quant(model_config.hf_config)
+    stored_formats = stored.prepare(model) if stored is not None else {}
     quantized = model_config.quantization is not None
     build_device = torch.device("cpu") if quantized and device.type != "cpu" else device
     hosts = _materialize(model, build_device, 0 if quantized else model_config.cpu_offload_bytes)
@@ -63,7 +68,7 @@ def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     if model_config.load_format == "dummy":
         _init_dummy_weights(model, model_config.seed, device)
     else:
-        _load_safetensors(model, model_config)
+        _load_safetensors(model, model_config, stored_formats)
     model.eval()
     return _place_weights(model, model_config, device, build_device, hosts)
 
@@ -104,7 +109,8 @@ def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.de
 
         for module in model.modules():
             if isinstance(module, FusedMoE):
-                module.method = TRITON_FUSED  # the experts in two fused launches, graph-capturable
+                if module.method is GROUPED:  # (quantized experts keep their format's method)
+                    module.method = TRITON_FUSED  # the experts in two fused launches, graph-capturable
     return LoadedModel(model, offloader, packed)
 
 
@@ -121,8 +127,8 @@ def _move_to(model: nn.Module, device: torch.device, kept: set[int]) -> None:
 
 def _iter_safetensors(model_config: ModelConfig, ignored: frozenset[str] = frozenset()
                       ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each checkpoint tensor this rank holds (its slice of it under tensor parallelism), but `ignored` ones
-    (a head the model does not use), which are not read."""
+    """Each checkpoint tensor this rank holds (its slice of it under tensor parallelism) as stored, but `ignored`
+    ones (a head the model does not use), which are not read."""
     files = weight_files(model_config.path)
     if not files:
         raise FileNotFoundError(
@@ -136,7 +142,7 @@ def _iter_safetensors(model_config: ModelConfig, ignored: frozenset[str] = froze
         for handle in handles:
             for name in handle.keys():
                 if name not in ignored:
-                    yield name, _read_shard(handle, name, shards).to(model_config.dtype)
+                    yield name, _read_shard(handle, name, shards)
                 bar.update(1)
 
 
@@ -159,9 +165,12 @@ def _read_shard(handle, name: str, shards: ShardLayout) -> torch.Tensor:
 
 
 
-def _load_safetensors(model: nn.Module, model_config: ModelConfig) -> None:
+def _load_safetensors(model: nn.Module, model_config: ModelConfig, stored_formats: dict) -> None:
+    """Read the checkpoint into the model: floating tensors in the model's dtype, a quantized module's tensors
+    converted to its Linear's parameters (quant/config.py)."""
+    raw = _iter_safetensors(model_config, model.ignored_weight_names)
     with torch.no_grad():
-        loaded = model.load_weights(_iter_safetensors(model_config, model.ignored_weight_names))
+        loaded = model.load_weights(convert_checkpoint(raw, stored_formats, model_config.dtype))
     missing = model.expected_weight_names() - loaded
     if missing:
         raise ValueError(
@@ -176,11 +185,18 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
     and copied), so the values do not depend on where the weights live, and drawing is fast on a GPU."""
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
+        stored = set()  # a quantized checkpoint's values: drawn by their format
         for module in model.modules():
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif getattr(module, "quant_format", None) is not None:
+                module.quant_format.init_dummy(module, gen)
+                stored.update(id(p) for n, p in module.named_parameters() if n != "bias")
+            elif isinstance(module, FusedMoE) and module.method is MXFP4_EXPERTS:
+                init_dummy_mxfp4(module, gen)
+                stored.update(id(p) for n, p in module.named_parameters() if not n.endswith("bias"))
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if name.endswith("norm.weight") or "layernorm" in name or id(param) in stored:
                 continue
             if name.endswith(".bias"):
                 param.zero_()

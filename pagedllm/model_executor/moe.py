@@ -154,23 +154,24 @@ class FusedMoE(nn.Module):
         return self.method.apply(self, x, weights, ids)
 
     # -- checkpoint loading: one tensor per expert and projection, as transformers saves them ----------------
-    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor, bias: bool = False) -> str:
-        """Copy one expert's projection ("gate", "up" or "down"; this rank's slice) into the stacked weights.
-        Returns the loaded part's name (for the loader's completeness check)."""
-        stacked = {"gate": (self.w13_bias if bias else self.w13_weight, 0),
-                   "up": (self.w13_bias if bias else self.w13_weight, self.width),
-                   "down": (self.w2_bias if bias else self.w2_weight, None)}
-        target, start = stacked[projection]
-        dest = target.data[expert] if start is None else target.data[expert].narrow(0, start, self.width)
+    def load_expert(self, expert: int, projection: str, tensor: torch.Tensor, part: str = "weight") -> str:
+        """Copy one expert's projection ("gate", "up" or "down"; this rank's slice) into the stacked `part`
+        ("weight", "bias", or "scale" of quantized experts: quant/mxfp4.py). Returns the loaded part's name (for the
+        loader's completeness check)."""
+        stacked = "w2" if projection == "down" else "w13"
+        target = getattr(self, f"{stacked}_{part}")
+        dest = target.data[expert]
+        if projection != "down":
+            dest = dest.narrow(0, 0 if projection == "gate" else self.width, self.width)
         if dest.shape != tensor.shape:
             raise ValueError(f"expert {expert}'s {projection} projection has shape {tuple(tensor.shape)}, the model "
                              f"expects {tuple(dest.shape)}")
         dest.copy_(tensor)
-        return f"#{expert}.{projection}{'.bias' if bias else ''}"
+        return f"#{expert}.{projection}{'' if part == 'weight' else '.' + part}"
 
     def expected_parts(self) -> set[str]:
-        biases = ("", ".bias") if self.w13_bias is not None else ("",)
-        return {f"#{e}.{p}{b}" for e in range(self.num_experts) for p in ("gate", "up", "down") for b in biases}
+        parts = [""] + [f".{p}" for p in ("bias", "scale") if getattr(self, f"w13_{p}", None) is not None]
+        return {f"#{e}.{p}{b}" for e in range(self.num_experts) for p in ("gate", "up", "down") for b in parts}
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.width}, method={self.method.name}"

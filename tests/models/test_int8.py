@@ -157,14 +157,19 @@ def test_bad_quantization_values_are_refused(tiny_models):
         EngineArgs(model=str(tiny_models["llama"]), quantization="fp8").create_engine_config()
 
 
-def test_an_already_quantized_checkpoint_is_refused(tmp_path):
+def test_int8_at_load_is_refused_for_an_already_quantized_checkpoint(tmp_path):
+    """A quantized checkpoint loads as stored (tests/models/test_quant_checkpoints.py); --quantization int8 on top of
+    it is refused by name, and a format pagedllm does not load is refused with the list of those it does."""
     path = make_tiny_model(tmp_path / "gptq", "llama")
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True}
     (path / "config.json").write_text(json.dumps(cfg))
-    for quantization in ("int8", None):
-        with pytest.raises(UnsupportedModelError, match="already quantized .*'gptq'"):
-            LLM(str(path), quantization=quantization)
+    with pytest.raises(ValueError, match="already quantized .*int4 weights \\(gptq\\).* drop --quantization"):
+        LLM(str(path), quantization="int8")
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match="quant_method 'bitsandbytes'.*Supported: fp8 .*gptq"):
+        LLM(str(path))
 
 
 # -- the plan and the command line ---------------------------------------------------------------------

@@ -20,7 +20,8 @@ from pagedllm.model_executor.layers import ClampedSwigluAndMul
 from pagedllm.model_executor.models.llama import LlamaForCausalLM
 from pagedllm.model_executor.moe import FusedMoE, Routing, SparseMoeBlock
 
-_STACKED_EXPERTS = re.compile(r"^(?P<block>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?$")
+_STACKED_EXPERTS = re.compile(
+    r"^(?P<block>.+\.mlp)\.experts\.(?P<proj>gate_up_proj|down_proj)(?:_(?P<kind>bias|blocks|scales))?$")
 
 
 class GptOssForCausalLM(LlamaForCausalLM):
@@ -37,6 +38,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
                               Routing(cfg.num_experts_per_tok, topk_then_softmax=True),
                               ClampedSwigluAndMul(cfg.swiglu_alpha, cfg.swiglu_limit), bias=True)
 
+    def checkpoint_names(self, module_name: str) -> list[str]:
+        return [module_name.replace(".mlp.gate", ".mlp.router")] if module_name.endswith(".mlp.gate") \
+            else super().checkpoint_names(module_name)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """The router is `mlp.router` (our `mlp.gate`), the sinks the attention's, the experts stacked (see above)."""
         shards = ShardLayout.of(self.config)
@@ -47,7 +52,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 stacked = _STACKED_EXPERTS.match(name)
                 if stacked is not None:
                     experts: FusedMoE = self._param_owner(f"{stacked['block']}.experts", name)
-                    parts = _load_stacked(experts, stacked["proj"], bool(stacked["bias"]), tensor, shards)
+                    load = _load_stacked if stacked["kind"] in (None, "bias") else _load_mxfp4
+                    parts = load(experts, stacked["proj"], stacked["kind"], tensor, shards)
                     loaded.update(f"{stacked['block']}.experts{p}" for p in parts)
                     continue
                 yield name.replace(".mlp.router.", ".mlp.gate.").replace(".self_attn.sinks", ".self_attn.attn.sinks"), \
@@ -56,9 +62,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return super().load_weights(rest()) | loaded
 
 
-def _load_stacked(experts: FusedMoE, proj: str, bias: bool, tensor: torch.Tensor, shards: ShardLayout) -> list[str]:
+def _load_stacked(experts: FusedMoE, proj: str, kind: str | None, tensor: torch.Tensor, shards: ShardLayout
+                  ) -> list[str]:
     """One stacked checkpoint tensor into `experts`: gate/up de-interleaved, (out, in) per expert, this rank's
     share of the width (a row-parallel bias on rank 0 only)."""
+    bias = kind == "bias"
+    part = "bias" if bias else "weight"
     width, start = experts.width, shards.rank * experts.width
     parts = []
     for e in range(experts.num_experts):
@@ -68,9 +77,28 @@ def _load_stacked(experts: FusedMoE, proj: str, bias: bool, tensor: torch.Tensor
             gate, up = gate[..., start:start + width], up[..., start:start + width]
             if not bias:
                 gate, up = gate.T, up.T
-            parts.append(experts.load_expert(e, "gate", gate, bias))
-            parts.append(experts.load_expert(e, "up", up, bias))
+            parts.append(experts.load_expert(e, "gate", gate, part))
+            parts.append(experts.load_expert(e, "up", up, part))
         else:  # down: (width, hidden) -> (hidden, width); its bias (hidden,) added once, by rank 0
             down = (t if shards.rank == 0 else torch.zeros_like(t)) if bias else t[start:start + width].T
-            parts.append(experts.load_expert(e, "down", down, bias))
+            parts.append(experts.load_expert(e, "down", down, part))
     return parts
+
+
+def _load_mxfp4(experts: FusedMoE, proj: str, kind: str, tensor: torch.Tensor, shards: ShardLayout) -> list[str]:
+    """One MXFP4 checkpoint tensor (quant/mxfp4.py) into `experts`: `*_blocks` (experts, out, in / 32, 16) as
+    (out, in / 2) bytes per expert, `*_scales` (experts, out, in / 32); gate and up rows de-interleaved."""
+    if shards.size > 1:
+        raise ValueError("MXFP4 experts under tensor parallelism are not supported yet")
+    part = "weight" if kind == "blocks" else "scale"
+    parts = []
+    for e in range(experts.num_experts):
+        t = tensor[e].reshape(tensor.shape[1], -1)  # (out, in / 2) bytes or (out, in / 32) exponents
+        if proj == "gate_up_proj":
+            parts.append(experts.load_expert(e, "gate", t[0::2], part))
+            parts.append(experts.load_expert(e, "up", t[1::2], part))
+        else:
+            parts.append(experts.load_expert(e, "down", t, part))
+    return parts
+
+

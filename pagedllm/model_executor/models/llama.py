@@ -189,8 +189,7 @@ class LlamaForCausalLM(nn.Module):
             expert = EXPERT_TENSOR.match(name)
             if expert is not None:
                 experts = self._param_owner(f"{expert['block']}.experts", name)
-                part = experts.load_expert(int(expert["expert"]), PROJECTIONS[expert["proj"]], tensor,
-                                           bias=expert["kind"] == "bias")
+                part = experts.load_expert(int(expert["expert"]), PROJECTIONS[expert["proj"]], tensor, expert["kind"])
                 loaded.add(f"{expert['block']}.experts{part}")
                 continue
             piece = next((p for p in STACKED_PARAMS if f".{p}." in name), None)
@@ -198,7 +197,12 @@ class LlamaForCausalLM(nn.Module):
                 target, shard = STACKED_PARAMS[piece]
                 pname = name.replace(f".{piece}.", f".{target}.")
                 param = self._param(params, pname, name)
-                self._shard_slice(param, pname, shard).copy_(tensor)
+                part = self._shard_slice(param, pname, shard)
+                if part.shape == param.shape and loaded & {f"{pname}#{s}" for s in ("q", "k", "v", 0, 1)} \
+                        and not torch.equal(part, tensor.to(part.dtype)):
+                    raise ValueError(f"checkpoint tensor {name!r} differs from its fused siblings' (a Linear "
+                                     f"holding them as one needs the same {pname.rsplit('.', 1)[1]})")
+                part.copy_(tensor)
                 loaded.add(f"{pname}#{shard}")
             else:
                 param = self._param(params, name, name)
@@ -251,15 +255,32 @@ class LlamaForCausalLM(nn.Module):
         return params[pname]
 
     def _shard_slice(self, param: torch.Tensor, pname: str, shard) -> torch.Tensor:
-        data = param.data
+        """The part of fused parameter `pname` (qkv_proj's or gate_up_proj's) that checkpoint part `shard` fills:
+        its output rows; in a quantized Linear's parameter, the entries of those rows (an FP8 block scale has one
+        per block of rows), or all of it for a parameter indexed by input column (row block None)."""
+        module_name, leaf = pname.rsplit(".", 1)
+        layer = self.get_submodule(module_name)
         if shard in ("q", "k", "v"):
-            attn = self.get_submodule(pname.rsplit(".", 2)[0])
+            attn = self.get_submodule(module_name.rsplit(".", 1)[0])
             q, kv = attn.q_size, attn.kv_size
             start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
         else:
-            size = data.shape[0] // 2
+            size = layer.out_features // 2
             start = shard * size
-        return data.narrow(0, start, size)
+        block = getattr(layer, "row_blocks", {}).get(leaf, 1)
+        if block is None:
+            return param.data
+        if start % block or size % block:
+            raise ValueError(f"{pname}: part {shard!r} holds rows {start}:{start + size}, not whole blocks of {block} "
+                             f"rows; a checkpoint with block scales needs each fused part in whole blocks")
+        return param.data.narrow(0, start // block, size // block)
+
+    def checkpoint_names(self, module_name: str) -> list[str]:
+        """The checkpoint modules whose weights module `module_name` holds: q_proj, k_proj and v_proj for a fused
+        qkv_proj, gate_proj and up_proj for gate_up_proj, else the module itself."""
+        parent, _, leaf = module_name.rpartition(".")
+        parts = [piece for piece, (target, _) in STACKED_PARAMS.items() if target == leaf]
+        return [f"{parent}.{p}" for p in parts] or [module_name]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -28,6 +28,9 @@ class MixtralForCausalLM(MistralForCausalLM):
         return SparseMoeBlock(cfg.hidden_size, num_experts(cfg), ShardLayout.of(cfg).moe_width,
                               Routing(cfg.num_experts_per_tok, fp32_weights=True), cfg.hidden_act)
 
+    def checkpoint_names(self, module_name: str) -> list[str]:
+        return [name.replace(".mlp.", ".block_sparse_moe.") for name in super().checkpoint_names(module_name)]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Mixtral's checkpoints name the sparse block `block_sparse_moe` (its experts' projections w1, w3, w2)."""
         return super().load_weights((name.replace(".block_sparse_moe.", ".mlp."), t) for name, t in weights)

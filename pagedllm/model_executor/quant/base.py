@@ -1,0 +1,113 @@
+"""What a checkpoint format provides (LinearFormat), and the reference product by its weights: rows of the weight
+dequantized a tile at a time into the activations' dtype and multiplied (any device; no full-size dequantized copy
+is ever held)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model_executor.linear import Linear, LinearMethod
+
+# Elements of weight dequantized at once by the reference product: 4 Mi (16 MiB in fp32), a few tiles of an 8B
+# model's MLP.
+DEQUANT_TILE_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter a quantized Linear holds. `row_block`: output rows per entry of dim 0 (1: one per row; 128:
+    an FP8 block scale's), so fused q/k/v or gate/up parts land in their rows; None: indexed by input column and
+    the same for every fused part (GPTQ's act-order permutation)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    row_block: int | None = 1
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * self.dtype.itemsize
+
+
+class LinearFormat:
+    """A quantized weight layout. Subclasses say which parameters a Linear holds (`params`, its `weight` the
+    quantized values), which tensors a checkpoint module stores (`checkpoint_tensors`) and how they become the
+    parameters (`convert`), and how rows dequantize (`dequantize`)."""
+
+    name = "quantized"
+
+    def params(self, out_features: int, in_features: int, dtype: torch.dtype) -> dict[str, ParamSpec]:
+        raise NotImplementedError
+
+    def checkpoint_tensors(self) -> frozenset[str]:
+        """The tensor names (after the module's name) a checkpoint module in this format has, all of them."""
+        raise NotImplementedError
+
+    def convert(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """One checkpoint module's tensors (by their names after the module's) -> the Linear's parameters."""
+        raise NotImplementedError
+
+    def dequantize(self, layer: Linear, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows start:end of the weight, (end - start, in_features), in `dtype`."""
+        raise NotImplementedError
+
+    def init_dummy(self, layer: Linear, gen: torch.Generator) -> None:
+        """Random values whose dequantized weights are ~N(0, 0.02), as dummy dense weights are."""
+        raise NotImplementedError
+
+    def verify_shape(self, out_features: int, in_features: int) -> None:
+        """Raise ValueError when a Linear of this shape cannot hold the format (a group that does not divide)."""
+
+    def row_tile(self, in_features: int) -> int:
+        """Rows the reference product dequantizes at once."""
+        return max(1, DEQUANT_TILE_ELEMENTS // in_features)
+
+    def weight_bytes(self, out_features: int, in_features: int, dtype: torch.dtype) -> int:
+        return sum(spec.nbytes for spec in self.params(out_features, in_features, dtype).values())
+
+    def describe(self) -> str:
+        return self.name
+
+
+class DequantLinearMethod(LinearMethod):
+    """The reference product by a quantized weight: its rows dequantized a tile at a time, then F.linear."""
+
+    def __init__(self, fmt: LinearFormat) -> None:
+        self.format = fmt
+        self.name = fmt.name
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        x2d = x.reshape(-1, layer.in_features)
+        perm = getattr(layer, "input_perm", None)
+        if perm is not None:  # the weight's columns are stored in this order (GPTQ act-order)
+            x2d = x2d.index_select(1, perm)
+        rows, n = layer.out_features, self.format.row_tile(layer.in_features)
+        if n >= rows:
+            out = F.linear(x2d, self.format.dequantize(layer, 0, rows, x2d.dtype))
+        else:
+            out = x2d.new_empty(x2d.shape[0], rows)
+            for start in range(0, rows, n):
+                end = min(start + n, rows)
+                out[:, start:end] = F.linear(x2d, self.format.dequantize(layer, start, end, x2d.dtype))
+        if layer.bias is not None:
+            out = out + layer.bias
+        return out.reshape(*x.shape[:-1], rows)
+
+
+def make_quantized(layer: Linear, fmt: LinearFormat) -> None:
+    """Give `layer` (still on the meta device) the format's parameters in place of its weight, and its method."""
+    dtype = layer.weight.dtype
+    fmt.verify_shape(layer.out_features, layer.in_features)
+    specs = fmt.params(layer.out_features, layer.in_features, dtype)
+    del layer.weight
+    for name, spec in specs.items():
+        layer.register_parameter(name, nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype, device="meta"),
+                                                    requires_grad=False))
+    layer.row_blocks = {name: spec.row_block for name, spec in specs.items()}
+    layer.quant_format = fmt
+    layer.method = DequantLinearMethod(fmt)

@@ -1,0 +1,71 @@
+"""MXFP4 experts (OCP microscaling, as gpt-oss ships its experts): FP4 E2M1 values, two per byte (the low nibble
+first), and per 32 values one E8M0 scale byte, 2^(byte - 127). weight = value * scale.
+
+gpt-oss stores each layer's experts as `mlp.experts.gate_up_proj_blocks` (experts, 2 * width, hidden / 32, 16)
+with `..._scales` (experts, 2 * width, hidden / 32), gate and up rows interleaved, and `down_proj_blocks` /
+`down_proj_scales` over (experts, hidden, width): (out, in) per expert. A FusedMoE holds them as they are, rows
+de-interleaved into [gate | up]: `w13_weight` (experts, 2 * width, hidden / 2) uint8 and `w13_scale` (experts,
+2 * width, hidden / 32) uint8, `w2_weight` / `w2_scale` likewise, biases in the model's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.model_executor.moe import FusedMoE, MoEMethod
+from pagedllm.model_executor.quant.packing import fp4_e2m1_table, unpack_nibbles
+
+MXFP4_BLOCK = 32
+E8M0_BIAS = 127
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, in / 2) bytes and (rows, in / 32) exponents -> (rows, in) weights in `dtype` (exact: every value is
+    a power of two times an E2M1 value)."""
+    values = fp4_e2m1_table(torch.float32, blocks.device)[unpack_nibbles(blocks).long()]
+    rows = values.shape[0]
+    values = torch.ldexp(values.view(rows, -1, MXFP4_BLOCK), scales.to(torch.int32)[..., None] - E8M0_BIAS)
+    return values.view(rows, -1).to(dtype)
+
+
+def mxfp4_expert_bytes(num_experts: int, hidden: int, width: int) -> int:
+    """Bytes of one layer's experts in MXFP4 (values and scales; biases not included)."""
+    per_row_in = lambda cols: cols // 2 + cols // MXFP4_BLOCK  # noqa: E731
+    return num_experts * (2 * width * per_row_in(hidden) + hidden * per_row_in(width))
+
+
+class Mxfp4MoEMethod(MoEMethod):
+    """The reference grouped experts (MoEMethod.apply), each chosen expert's weights dequantized for its GEMMs."""
+
+    name = "mxfp4"
+
+    def expert_forward(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
+        w13 = dequantize_mxfp4(layer.w13_weight[expert], layer.w13_scale[expert], x.dtype)
+        w2 = dequantize_mxfp4(layer.w2_weight[expert], layer.w2_scale[expert], x.dtype)
+        b13 = None if layer.w13_bias is None else layer.w13_bias[expert]
+        b2 = None if layer.w2_bias is None else layer.w2_bias[expert]
+        return F.linear(layer.act_and_mul(F.linear(x, w13, b13)), w2, b2)
+
+
+MXFP4_EXPERTS = Mxfp4MoEMethod()
+
+
+def make_mxfp4_experts(moe: FusedMoE) -> None:
+    """Give `moe` (still on the meta device) MXFP4 weights and scales in place of its dense ones."""
+    e, h, w = moe.num_experts, moe.hidden_size, moe.width
+    if h % MXFP4_BLOCK or w % MXFP4_BLOCK:
+        raise ValueError(f"MXFP4 experts need hidden ({h}) and width ({w}) in whole blocks of {MXFP4_BLOCK}")
+    shapes = {"w13_weight": (e, 2 * w, h // 2), "w13_scale": (e, 2 * w, h // MXFP4_BLOCK),
+              "w2_weight": (e, h, w // 2), "w2_scale": (e, h, w // MXFP4_BLOCK)}
+    for name, shape in shapes.items():
+        setattr(moe, name, nn.Parameter(torch.empty(shape, dtype=torch.uint8, device="meta"), requires_grad=False))
+    moe.method = MXFP4_EXPERTS
+
+
+def init_dummy_mxfp4(moe: FusedMoE, gen: torch.Generator) -> None:
+    """Random codes, scales 2^-7: weights of std ~0.02 (E2M1 codes uniform: std ~3)."""
+    for name in ("w13_weight", "w2_weight"):
+        getattr(moe, name).random_(0, 256, generator=gen)
+    for name in ("w13_scale", "w2_scale"):
+        getattr(moe, name).fill_(E8M0_BIAS - 7)
