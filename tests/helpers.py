@@ -295,7 +295,12 @@ def hf_greedy(
     reports for greedy sampling. With ``ignore_eos`` generation never stops early and eos is not
     masked either (like vLLM's ignore_eos): exactly ``max_new_tokens`` tokens come back.
     """
-    model = load_hf_model(path)
+    return greedy_generate(load_hf_model(path), prompt_token_ids, max_new_tokens, ignore_eos)
+
+
+def greedy_generate(model: Any, prompt_token_ids: list[int], max_new_tokens: int,
+                    ignore_eos: bool = True) -> tuple[list[int], list[float]]:
+    """hf_greedy on a transformers model already loaded."""
     input_ids = torch.tensor([prompt_token_ids], dtype=torch.long)
     kwargs: dict[str, Any] = {}
     if ignore_eos:

@@ -61,8 +61,10 @@ def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int,
     """Weights from safetensors headers (exact) or config shapes; activations and overhead estimated."""
     tied = bool(getattr(hf_config, "tie_word_embeddings", False))
     if weight_files:
-        all_bytes = cache(lambda dtype, quant: weight_bytes_from_headers(weight_files, dtype, tied, quant))
-        layer_bytes = cache(lambda dtype, quant: layer_weight_bytes_from_headers(weight_files, dtype, quant))
+        stored = checkpoint_quant(hf_config)
+        all_bytes = cache(lambda dtype, quant: weight_bytes_from_headers(weight_files, dtype, tied, quant,
+                                                                         stored=stored))
+        layer_bytes = cache(lambda dtype, quant: layer_weight_bytes_from_headers(weight_files, dtype, quant, stored))
         weights_source = "safetensors headers"
     else:
         all_bytes = cache(lambda dtype, quant: weight_bytes_from_config(hf_config, dtype, quant))

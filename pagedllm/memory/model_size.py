@@ -38,29 +38,49 @@ def _skipped(name: str, tied: bool) -> bool:
 
 
 def weight_bytes_from_headers(files: list[Path], dtype: torch.dtype, tied: bool, quantization: str | None = None,
-                              prefix: str = "") -> int:
+                              prefix: str = "", stored=None) -> int:
     """Exact bytes the weights take once loaded in `dtype` (floating tensors are cast to it) and
-    quantized by `quantization`; only the tensors whose names start with `prefix`."""
-    total = 0
-    for f in files:
-        for name, info in safetensors_header(f).items():
-            if _skipped(name, tied) or not name.startswith(prefix):
-                continue
-            shape = info["shape"]
-            if quantization == "int8" and is_quantized_weight_name(name):
-                total += int8_weight_bytes(shape[0], shape[1], dtype)
-                continue
-            numel = 1
-            for d in shape:
-                numel *= d
-            is_float = info["dtype"] in ("F64", "F32", "F16", "BF16")
-            total += numel * (dtype.itemsize if is_float else _SAFETENSORS_ITEMSIZE[info["dtype"]])
+    quantized by `quantization`; only the tensors whose names start with `prefix`. `stored`: a quantized
+    checkpoint's CheckpointQuant (its modules' bytes as their formats hold them)."""
+    headers = [(name, info) for f in files for name, info in safetensors_header(f).items()
+               if not _skipped(name, tied) and name.startswith(prefix)]
+    total, stored_names = _stored_module_bytes(headers, dtype, stored) if stored is not None else (0, set())
+    for name, info in headers:
+        if name in stored_names:
+            continue
+        shape = info["shape"]
+        if quantization == "int8" and is_quantized_weight_name(name):
+            total += int8_weight_bytes(shape[0], shape[1], dtype)
+            continue
+        numel = 1
+        for d in shape:
+            numel *= d
+        is_float = info["dtype"] in ("F64", "F32", "F16", "BF16")
+        total += numel * (dtype.itemsize if is_float else _SAFETENSORS_ITEMSIZE[info["dtype"]])
     return total
 
 
-def layer_weight_bytes_from_headers(files: list[Path], dtype: torch.dtype, quantization: str | None = None) -> int:
+def _stored_module_bytes(headers: list[tuple[str, dict]], dtype: torch.dtype, stored) -> tuple[int, set[str]]:
+    """(bytes, tensor names) of the checkpoint modules stored in a quantized format: those with every tensor
+    their format stores, counted as the format holds them (quant/)."""
+    modules: dict[str, dict[str, list[int]]] = {}
+    for name, info in headers:
+        module, _, leaf = name.rpartition(".")
+        modules.setdefault(module, {})[leaf] = info["shape"]
+    total, names = 0, set()
+    for module, shapes in modules.items():
+        fmt = stored.format_of([module])
+        if fmt is None or not fmt.checkpoint_tensors() <= shapes.keys():
+            continue
+        total += fmt.weight_bytes(*fmt.checkpoint_shape(shapes), dtype)
+        names.update(f"{module}.{leaf}" for leaf in fmt.checkpoint_tensors())
+    return total, names
+
+
+def layer_weight_bytes_from_headers(files: list[Path], dtype: torch.dtype, quantization: str | None = None,
+                                    stored=None) -> int:
     """Bytes of one decoder layer's weights (all layers of the Llama family have the same shapes)."""
-    return weight_bytes_from_headers(files, dtype, False, quantization, prefix="model.layers.0.")
+    return weight_bytes_from_headers(files, dtype, False, quantization, prefix="model.layers.0.", stored=stored)
 
 
 def _head_dim(cfg) -> int:

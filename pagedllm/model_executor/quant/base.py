@@ -52,6 +52,10 @@ class LinearFormat:
         """One checkpoint module's tensors (by their names after the module's) -> the Linear's parameters."""
         raise NotImplementedError
 
+    def checkpoint_shape(self, shapes: dict[str, list[int]]) -> tuple[int, int]:
+        """(out, in) of the weight a checkpoint module stores, from its tensors' shapes (safetensors headers)."""
+        raise NotImplementedError
+
     def dequantize(self, layer: Linear, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         """Rows start:end of the weight, (end - start, in_features), in `dtype`."""
         raise NotImplementedError

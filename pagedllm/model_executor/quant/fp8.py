@@ -46,6 +46,10 @@ class Fp8Format(LinearFormat):
     def checkpoint_tensors(self) -> frozenset[str]:
         return frozenset({"weight", self.scale_name} | ({"input_scale"} if self.input_scale else set()))
 
+    def checkpoint_shape(self, shapes: dict[str, list[int]]) -> tuple[int, int]:
+        out, inp = shapes["weight"]
+        return out, inp
+
     def convert(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
         weight, scale = tensors["weight"], tensors[self.scale_name].to(torch.float32)
         if weight.dtype != FP8_DTYPE:

@@ -72,6 +72,16 @@ class Int4Format(LinearFormat):
                          | (set() if self.symmetric else {"weight_zero_point"})
                          | ({"weight_g_idx"} if self.act_order else set()))
 
+    def checkpoint_shape(self, shapes: dict[str, list[int]]) -> tuple[int, int]:
+        if self.layout in ("gptq", "gptq_v2"):
+            words, out = shapes["qweight"]
+            return out, words * 8
+        if self.layout == "awq":
+            inp, words = shapes["qweight"]
+            return words * 8, inp
+        out, words = shapes["weight_packed"]
+        return out, words * 8
+
     # -- checkpoint layouts -> (q (out, in) uint8, scale (out, groups), zero (out, groups) uint8 | None, g_idx) ----
     def _unpack(self, t: dict[str, torch.Tensor]):
         if self.layout in ("gptq", "gptq_v2"):

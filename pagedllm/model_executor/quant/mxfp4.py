@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model_executor.moe import FusedMoE, MoEMethod
-from pagedllm.model_executor.quant.packing import fp4_e2m1_table, unpack_nibbles
+from pagedllm.model_executor.quant.packing import fp4_e2m1_pairs
 
 MXFP4_BLOCK = 32
 E8M0_BIAS = 127
@@ -23,10 +23,10 @@ E8M0_BIAS = 127
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(rows, in / 2) bytes and (rows, in / 32) exponents -> (rows, in) weights in `dtype` (exact: every value is
     a power of two times an E2M1 value)."""
-    values = fp4_e2m1_table(torch.float32, blocks.device)[unpack_nibbles(blocks).long()]
-    rows = values.shape[0]
-    values = torch.ldexp(values.view(rows, -1, MXFP4_BLOCK), scales.to(torch.int32)[..., None] - E8M0_BIAS)
-    return values.view(rows, -1).to(dtype)
+    rows = blocks.shape[0]
+    values = fp4_e2m1_pairs(dtype, blocks.device)[blocks.long()].view(rows, -1, MXFP4_BLOCK)
+    scale = torch.exp2(scales.to(torch.float32) - E8M0_BIAS).to(dtype)
+    return (values * scale[..., None]).view(rows, -1)
 
 
 def mxfp4_expert_bytes(num_experts: int, hidden: int, width: int) -> int:

@@ -28,5 +28,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def fp4_e2m1_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(FP4_E2M1_VALUES, dtype=dtype, device=device)
+def fp4_e2m1_pairs(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(256, 2): the two E2M1 values of each byte, the low nibble's first (one gather per byte, not per value)."""
+    values = torch.tensor(FP4_E2M1_VALUES, dtype=dtype, device=device)
+    return torch.stack((values.repeat(16), values.repeat_interleave(16)), dim=1)
