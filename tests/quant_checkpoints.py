@@ -18,6 +18,8 @@ write_gptq / write_awq round-to-nearest per the GPTQ v1/v2 and AutoAWQ GEMM spec
                        ``AutoAWQConverter``
 write_mxfp4_gpt_oss    compressed-tensors' MXFP4 scales and FP4 packing, laid out as gpt-oss
                        ships it; checked by transformers' ``convert_moe_packed_tensors``
+write_modelopt         compressed-tensors' per-tensor FP8 / NVFP4, renamed as NVIDIA ModelOpt
+                       ships them; read back by its ``ModelOptNvfp4Converter``
 =====================  ==============================================================
 
 ``dequantized_state_dict(dst)`` gives the dense tensors a quantized folder stands for (each
@@ -184,6 +186,26 @@ def ct_qparams(weight: torch.Tensor, args) -> dict[str, torch.Tensor]:
     return out
 
 
+def _ct_compress(src: Path, scheme: str, **options: Any):
+    """(module -> its tensors from the scheme's compressor, every other tensor of src, the QuantizationScheme).
+
+    Scales come from ct_qparams; ``format`` as in write_compressed_tensors.
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.format import infer_module_format
+
+    fmt = options.pop("format", "float-quantized" if scheme.startswith("fp8") else None)
+    qscheme = ct_scheme(scheme, **options)
+    qscheme.format = fmt or infer_module_format(torch.nn.Linear, qscheme).value
+    compressor = BaseCompressor.get_value_from_registry(qscheme.format)
+    weights, tensors = _split_weights(src)
+    compressed = {}
+    for module, weight in weights.items():
+        _ct_check_shape(module, weight, qscheme.weights)
+        compressed[module] = compressor.compress({"weight": weight, **ct_qparams(weight, qscheme.weights)}, qscheme)
+    return compressed, tensors, qscheme
+
+
 def write_compressed_tensors(src: Path | str, dst: Path | str, scheme: str, **options: Any) -> Path:
     """Write ``dst``: ``src`` quantized with compressed-tensors ``scheme`` (one of CT_SCHEMES), as llmcompressor saves.
 
@@ -205,21 +227,13 @@ def write_compressed_tensors(src: Path | str, dst: Path | str, scheme: str, **op
     config.json gets ``ModelCompressor.update_config``'s ``quantization_config`` (quant_method
     compressed-tensors, format, config_groups with targets ["Linear"], ignore = lm_head + routers).
     """
-    from compressed_tensors.compressors import BaseCompressor, ModelCompressor
-    from compressed_tensors.compressors.format import infer_module_format
+    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
 
     src, dst = Path(src), Path(dst)
-    fmt = options.pop("format", "float-quantized" if scheme.startswith("fp8") else None)
-    qscheme = ct_scheme(scheme, **options)
-    qscheme.format = fmt or infer_module_format(torch.nn.Linear, qscheme).value
-    compressor = BaseCompressor.get_value_from_registry(qscheme.format)
-    weights, tensors = _split_weights(src)
-    for module, weight in weights.items():
-        _ct_check_shape(module, weight, qscheme.weights)
-        state = {"weight": weight, **ct_qparams(weight, qscheme.weights)}
-        for name, value in compressor.compress(state, qscheme).items():
-            tensors[f"{module}.{name}"] = value
+    compressed, tensors, qscheme = _ct_compress(src, scheme, **options)
+    for module, parts in compressed.items():
+        tensors.update({f"{module}.{name}": value for name, value in parts.items()})
     _write_checkpoint(src, dst, tensors, None)
     qconfig = QuantizationConfig(config_groups={"group_0": qscheme}, ignore=["lm_head", *router_modules(tensors)],
                                  format=qscheme.format, quantization_status=QuantizationStatus.COMPRESSED)
@@ -593,18 +607,97 @@ def _mxfp4_dequantize(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) ->
 
 
 # ----------------------------------------------------------------------------------------------
+# NVIDIA ModelOpt (nvidia/*-FP8, nvidia/*-FP4)
+# ----------------------------------------------------------------------------------------------
+
+def write_modelopt(src: Path | str, dst: Path | str, algo: str) -> Path:
+    """Write ``dst``: ``src`` quantized as NVIDIA ModelOpt exports it in HF format (``algo`` "FP8" or "NVFP4").
+
+    Values come from compressed-tensors (``fp8-tensor`` / ``nvfp4a16`` via ct_qparams and the
+    compressor), renamed to ModelOpt's tensors. Per quantized module ``M`` (weight (out, in)):
+
+    * FP8: ``M.weight`` float8_e4m3fn (out, in), ``M.weight_scale`` float32 () (= amax / 448),
+      ``M.input_scale`` float32 () = 1.0; weight = fp8 * weight_scale;
+    * NVFP4: ``M.weight`` uint8 (out, in/2) (E2M1, low nibble first), ``M.weight_scale``
+      float8_e4m3fn (out, in/16), ``M.weight_scale_2`` float32 () = 1 / CT's weight_global_scale,
+      ``M.input_scale`` float32 () = 1.0; weight = fp4 * weight_scale * weight_scale_2. This is
+      the reverse of compressed-tensors' ``ModelOptNvfp4Converter``.
+
+    input_scale is a placeholder static activation scale (weight-only use). config.json gets
+    {"quant_method": "modelopt", "quant_algo": algo, ("group_size": 16 for NVFP4,)
+    "kv_cache_quant_algo": null, "exclude_modules": ["lm_head", *routers]}.
+    """
+    src, dst = Path(src), Path(dst)
+    schemes = {"FP8": "fp8-tensor", "NVFP4": "nvfp4a16"}
+    if algo not in schemes:
+        raise ValueError(f"unknown ModelOpt quant_algo {algo!r}; expected one of {sorted(schemes)}")
+    compressed, tensors, _ = _ct_compress(src, schemes[algo])
+    one = torch.tensor(1.0, dtype=torch.float32)
+    for module, parts in compressed.items():
+        if algo == "FP8":
+            tensors[f"{module}.weight"] = parts["weight"]
+            tensors[f"{module}.weight_scale"] = parts["weight_scale"].float().reshape(())
+        else:
+            tensors[f"{module}.weight"] = parts["weight_packed"]
+            tensors[f"{module}.weight_scale"] = parts["weight_scale"]
+            tensors[f"{module}.weight_scale_2"] = (1 / parts["weight_global_scale"].float()).reshape(())
+        tensors[f"{module}.input_scale"] = one.clone()
+    qcfg = {"quant_method": "modelopt", "quant_algo": algo, **({"group_size": 16} if algo == "NVFP4" else {}),
+            "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", *router_modules(tensors)]}
+    return _write_checkpoint(src, dst, tensors, qcfg)
+
+
+def _modelopt_dequantize(tensors: dict[str, torch.Tensor], qcfg: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """ModelOpt modules -> float32 ``weight``, input scales dropped, with compressed-tensors.
+
+    NVFP4: ``ModelOptNvfp4Converter.process`` maps them to CT's nvfp4-pack-quantized tensors, then
+    the library's unpack + ``dequantize`` (_nvfp4_dequantize). FP8: the per-tensor fp8 tensors go
+    through CT's float-quantized compressor's ``decompress`` (fp8 * scale, float32).
+    """
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.entrypoints.convert.converters import ModelOptNvfp4Converter
+
+    algo = qcfg["quant_algo"]
+    modules = sorted(k.removesuffix(".input_scale") for k in tensors if k.endswith(".input_scale"))
+    if algo == "NVFP4":
+        converter = ModelOptNvfp4Converter(ignore=qcfg.get("exclude_modules") or ())
+        args = converter._build_quant_config().config_groups["config_group_0"].weights
+        tensors = converter.process(dict(tensors))
+        for module in modules:
+            del tensors[f"{module}.input_global_scale"]
+            state = {n: tensors.pop(f"{module}.{n}") for n in ("weight_packed", "weight_scale", "weight_global_scale")}
+            tensors[f"{module}.weight"] = _nvfp4_dequantize(state, args)
+    elif algo == "FP8":
+        scheme = ct_scheme("fp8-tensor")
+        scheme.format = "float-quantized"
+        compressor = BaseCompressor.get_value_from_registry(scheme.format)
+        for module in modules:
+            del tensors[f"{module}.input_scale"]
+            weight, scale = tensors.pop(f"{module}.weight"), tensors.pop(f"{module}.weight_scale")
+            if weight.dtype != torch.float8_e4m3fn or scale.numel() != 1:
+                raise ValueError(f"{module}: ModelOpt FP8 wants an e4m3 weight and one scale, got {weight.dtype} "
+                                 f"and scale shape {tuple(scale.shape)}")
+            state = {"weight": weight, "weight_scale": scale.float().reshape(1)}
+            tensors[f"{module}.weight"] = compressor.decompress(state, scheme)["weight"].float()
+    else:
+        raise ValueError(f"unknown ModelOpt quant_algo {algo!r}")
+    return tensors
+
+
+# ----------------------------------------------------------------------------------------------
 # Dense references
 # ----------------------------------------------------------------------------------------------
 
 _DEQUANTIZERS = {"compressed-tensors": _ct_dequantize, "fp8": _fp8_dequantize, "gptq": _gptq_dequantize,
-                 "awq": awq_library_dequantize, "mxfp4": _mxfp4_dequantize}
+                 "awq": awq_library_dequantize, "mxfp4": _mxfp4_dequantize, "modelopt": _modelopt_dequantize}
 
 
 def dequantized_state_dict(dst: Path | str) -> dict[str, torch.Tensor]:
     """The dense tensors (checkpoint names and layouts) a quantized folder stands for, quantized ones in float32.
 
     Dequantized by each format's library: compressed-tensors' compressors (and its AutoAWQConverter
-    for AWQ, FP8BlockDequantizer for block FP8), transformers' convert_moe_packed_tensors for MXFP4;
+    for AWQ, ModelOptNvfp4Converter for ModelOpt NVFP4, FP8BlockDequantizer for block FP8),
+    transformers' convert_moe_packed_tensors for MXFP4;
     GPTQ by the spec dequantizer here.
     """
     qcfg = read_quantization_config(dst)
@@ -675,7 +768,8 @@ def dequantized_reference(dst: Path | str) -> Any:
 
     compressed-tensors (except NVFP4), block FP8 with whole tiles and MXFP4 are loaded by
     transformers itself from ``dst`` with its dequantizing config; GPTQ, AWQ (their transformers
-    backends need gptqmodel / autoawq), NVFP4 and ragged block FP8 are built from
+    backends need gptqmodel / autoawq), NVFP4, ModelOpt (transformers skips quant_method modelopt
+    and would load the raw codes) and ragged block FP8 are built from
     dequantized_state_dict(dst). Either way the weights equal dequantized_state_dict(dst).
     """
     key = str(Path(dst).resolve())

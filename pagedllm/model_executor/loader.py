@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.config import ModelConfig
 from pagedllm.distributed.sharding import ShardLayout
+from pagedllm.model_executor.cpu_isa import cpu_kernels
 from pagedllm.model_executor.cpu_ops import install_cpu_ops
 from pagedllm.model_executor.layers import RMSNorm, RotaryEmbedding, select_forwards
 from pagedllm.model_executor.meta import on_meta_device
@@ -70,6 +71,9 @@ def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     else:
         _load_safetensors(model, model_config, stored_formats)
     model.eval()
+    if device.type == "cpu":  # the stored formats' CPU products (quant_gemv.cpp)
+        for fmt in {id(f): f for f in stored_formats.values()}.values():
+            fmt.kernels = cpu_kernels()
     return _place_weights(model, model_config, device, build_device, hosts)
 
 

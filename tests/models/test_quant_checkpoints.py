@@ -30,6 +30,7 @@ from tests.quant_checkpoints import (
     write_compressed_tensors,
     write_fp8_block,
     write_gptq,
+    write_modelopt,
     write_mxfp4_gpt_oss,
 )
 
@@ -51,7 +52,10 @@ WRITERS = {
     "gptq-g64-asym-act-order": ("llama", lambda s, d: write_gptq(s, d, group_size=64, sym=False, desc_act=True)),
     "gptq-v2-g128": ("qwen2", lambda s, d: write_gptq(s, d, group_size=128, checkpoint_format="gptq_v2")),
     "awq-g32": ("llama", lambda s, d: write_awq(s, d, group_size=32)),
+    "ct-nvfp4": ("qwen3", lambda s, d: write_compressed_tensors(s, d, "nvfp4a16")),
     "mxfp4-gpt-oss": ("gpt_oss", lambda s, d: write_mxfp4_gpt_oss(s, d)),
+    "modelopt-fp8": ("llama", lambda s, d: write_modelopt(s, d, "FP8")),
+    "modelopt-nvfp4": ("qwen3", lambda s, d: write_modelopt(s, d, "NVFP4")),
 }
 
 
@@ -123,7 +127,9 @@ BYTES_CASES = {
     "ct-w4a16-asym-g128": ("llama", lambda s, d: write_compressed_tensors(s, d, "w4a16-asym", group_size=128)),
     "gptq-g128": ("qwen3", lambda s, d: write_gptq(s, d, group_size=128)),
     "awq-g128": ("llama", lambda s, d: write_awq(s, d, group_size=128)),
+    "ct-nvfp4": ("qwen3", lambda s, d: write_compressed_tensors(s, d, "nvfp4a16")),
     "mxfp4-gpt-oss": ("gpt_oss", lambda s, d: write_mxfp4_gpt_oss(s, d)),
+    "modelopt-nvfp4": ("qwen3", lambda s, d: write_modelopt(s, d, "NVFP4")),
 }
 
 

@@ -1,8 +1,8 @@
 """The quantized-checkpoint writers of tests/quant_checkpoints.py: each format's layout and config, its
 library's dequantization within the format's rounding of the original weights, the cross-checks between
-libraries (compressed-tensors' AutoAWQConverter for AWQ, transformers' convert_moe_packed_tensors for
-MXFP4, compressed-tensors' int4 packing for GPTQ), and the dense references against transformers' own
-dequantizing loaders."""
+libraries (compressed-tensors' AutoAWQConverter for AWQ and ModelOptNvfp4Converter for ModelOpt NVFP4,
+transformers' convert_moe_packed_tensors for MXFP4, compressed-tensors' int4 packing for GPTQ), and the dense
+references against transformers' own dequantizing loaders."""
 from __future__ import annotations
 
 import pytest
@@ -345,6 +345,90 @@ def test_mxfp4_needs_gpt_oss(qwen3, tmp_path):
         qc.write_mxfp4_gpt_oss(qwen3, tmp_path / "q")
 
 
+# -- NVIDIA ModelOpt ------------------------------------------------------------------------------------
+MODELOPT_LEAVES = {"FP8": {"weight", "weight_scale", "input_scale"},
+                   "NVFP4": {"weight", "weight_scale", "weight_scale_2", "input_scale"}}
+
+
+@pytest.mark.parametrize("algo", ["FP8", "NVFP4"])
+def test_modelopt_layout_config_and_error_bound(qwen3, tmp_path, algo):
+    """ModelOpt's names, dtypes and shapes hold compressed-tensors' own fp8-tensor / nvfp4a16 values (NVFP4's
+    weight_scale_2 the inverse of CT's global scale); read back by the library (ModelOptNvfp4Converter + its
+    dequantize, or the float-quantized decompressor) they are CT's values, within the format's rounding."""
+    dst = qc.write_modelopt(qwen3, tmp_path / "q", algo)
+    ct = qc.write_compressed_tensors(qwen3, tmp_path / "ct", "fp8-tensor" if algo == "FP8" else "nvfp4a16")
+    assert qc.read_quantization_config(dst) == {"quant_method": "modelopt", "quant_algo": algo,
+                                                "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"],
+                                                **({"group_size": 16} if algo == "NVFP4" else {})}
+    tensors, ct_tensors, (deq, orig) = qc.read_tensors(dst), qc.read_tensors(ct), _deq_and_orig(qwen3, dst)
+    ct_deq = qc.dequantized_state_dict(ct)
+    modules = qc.quantized_modules(orig)
+    assert len(modules) == 2 * 7
+    _unchanged(deq, orig, modules)
+    for m in modules:
+        assert {k.rpartition(".")[2] for k in tensors if k.rpartition(".")[0] == m} == MODELOPT_LEAVES[algo], m
+        w, q, s, d = orig[f"{m}.weight"], tensors[f"{m}.weight"], tensors[f"{m}.weight_scale"], deq[f"{m}.weight"]
+        x = tensors[f"{m}.input_scale"]
+        assert x.dtype == torch.float32 and x.shape == () and x.item() == 1.0
+        assert d.dtype == torch.float32 and d.shape == w.shape
+        err = (d - w).abs()
+        assert 0 < err.max(), m
+        if algo == "FP8":
+            assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+            assert torch.equal(q.view(torch.uint8), ct_tensors[f"{m}.weight"].view(torch.uint8))
+            assert s.dtype == torch.float32 and s.shape == () and torch.allclose(s, w.abs().max() / FP8_MAX)
+            assert torch.equal(d, q.float() * s) and torch.equal(d, ct_deq[f"{m}.weight"])
+            assert (err <= _fp8_bound(w, s)).all(), m
+        else:
+            s2 = tensors[f"{m}.weight_scale_2"]
+            assert q.dtype == torch.uint8 and q.shape == (w.shape[0], w.shape[1] // 2)
+            assert torch.equal(q, ct_tensors[f"{m}.weight_packed"])
+            assert s.dtype == torch.float8_e4m3fn and s.shape == (w.shape[0], w.shape[1] // 16)
+            assert torch.equal(s.view(torch.uint8), ct_tensors[f"{m}.weight_scale"].view(torch.uint8))
+            assert s2.dtype == torch.float32 and s2.shape == ()
+            assert torch.allclose(s2 * ct_tensors[f"{m}.weight_global_scale"], torch.ones(1), rtol=1e-6, atol=0)
+            # 1 / (1 / g) is g to float32 rounding, so the two libraries' readings agree to it
+            assert torch.allclose(d, ct_deq[f"{m}.weight"], rtol=1e-6, atol=0)
+            assert (err <= _fp4_bound(w, _expand(s, w.shape, 1, 16) * s2)).all(), m
+
+
+def test_modelopt_broken_layouts_fail(qwen3, tmp_path):
+    """compressed-tensors' converter takes the NVFP4 layout as written, but not a packed weight stored as int8 (its
+    scales are then orphans); a per-row FP8 scale is not ModelOpt's per-tensor FP8."""
+    from compressed_tensors.entrypoints.convert.converters import ModelOptNvfp4Converter
+
+    tensors = qc.read_tensors(qc.write_modelopt(qwen3, tmp_path / "nvfp4", "NVFP4"))
+    converter = ModelOptNvfp4Converter(ignore=["lm_head"])
+    assert "model.layers.0.mlp.down_proj.weight_packed" in converter.validate(dict(tensors))
+    m = "model.layers.0.mlp.down_proj"
+    tensors[f"{m}.weight"] = tensors[f"{m}.weight"].view(torch.int8)
+    with pytest.raises(ValueError, match=f"without a converted weight_packed.*{m}.weight_scale"):
+        converter.validate(tensors)
+    dst = qc.write_modelopt(qwen3, tmp_path / "fp8", "FP8")
+    tensors = qc.read_tensors(dst)
+    tensors[f"{m}.weight_scale"] = tensors[f"{m}.weight_scale"].expand(tensors[f"{m}.weight"].shape[0])
+    with pytest.raises(ValueError, match="one scale"):
+        qc._modelopt_dequantize(tensors, qc.read_quantization_config(dst))
+
+
+def test_modelopt_moe_routers_excluded_and_transformers_skips_modelopt(qwen3_moe, tmp_path):
+    """Routers stay dense and are listed in exclude_modules. transformers 5 has no modelopt loader: it skips the
+    quantization and loads the raw fp8 codes as weights, so the reference is built from dequantized_state_dict."""
+    from transformers import AutoModelForCausalLM
+
+    dst = qc.write_modelopt(qwen3_moe, tmp_path / "q", "FP8")
+    cfg = qc.read_quantization_config(dst)
+    assert cfg["exclude_modules"] == ["lm_head", "model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]
+    tensors, orig = qc.read_tensors(dst), qc.read_tensors(qwen3_moe)
+    assert torch.equal(tensors["model.layers.0.mlp.gate.weight"], orig["model.layers.0.mlp.gate.weight"])
+    assert tensors["model.layers.0.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert not qc._transformers_can_dequantize(dst, cfg)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    params = dict(AutoModelForCausalLM.from_pretrained(str(dst), dtype=torch.float32).named_parameters())
+    assert torch.equal(params[name], tensors[name].float())
+    assert not torch.equal(params[name], qc.dequantized_state_dict(dst)[name])
+
+
 # -- dense references -----------------------------------------------------------------------------------
 REFERENCE_CASES = {
     "ct-w4a16": lambda src, dst: qc.write_compressed_tensors(src, dst, "w4a16", group_size=64),
@@ -352,6 +436,8 @@ REFERENCE_CASES = {
     "fp8-block": lambda src, dst: qc.write_fp8_block(src, dst),
     "gptq-act-order": lambda src, dst: qc.write_gptq(src, dst, group_size=32, desc_act=True),
     "awq": lambda src, dst: qc.write_awq(src, dst, group_size=64),
+    "modelopt-fp8": lambda src, dst: qc.write_modelopt(src, dst, "FP8"),
+    "modelopt-nvfp4": lambda src, dst: qc.write_modelopt(src, dst, "NVFP4"),
 }
 
 

@@ -23,6 +23,11 @@ at::Tensor packed_linear_silu_mul(const at::Tensor& x, const at::Tensor& packed,
                                   const c10::optional<at::Tensor>& bias);
 at::Tensor packed_embedding(const at::Tensor& ids_in, const at::Tensor& packed);
 at::Tensor argmax_rows(const at::Tensor& x);
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& zero);
+std::string int4_gemv_path(int64_t group);
+at::Tensor int4_dequantize(const at::Tensor& weight, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+                           int64_t start, int64_t end);
 
 #define PAGEDLLM_DEF(name) m.def(#name, torch::wrap_pybind_function(name), #name)
 
@@ -42,4 +47,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   PAGEDLLM_DEF(packed_linear_silu_mul);
   PAGEDLLM_DEF(packed_embedding);
   PAGEDLLM_DEF(argmax_rows);
+  PAGEDLLM_DEF(int4_gemv);
+  PAGEDLLM_DEF(int4_dequantize);
+  PAGEDLLM_DEF(int4_gemv_path);
 }

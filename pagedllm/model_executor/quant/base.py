@@ -14,6 +14,8 @@ from pagedllm.model_executor.linear import Linear, LinearMethod
 # Elements of weight dequantized at once by the reference product: 4 Mi (16 MiB in fp32), a few tiles of an 8B
 # model's MLP.
 DEQUANT_TILE_ELEMENTS = 1 << 22
+# Rows a format's gemv() reads the stored bytes for (decode); more rows multiply dequantized tiles.
+GEMV_MAX_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -37,9 +39,16 @@ class ParamSpec:
 class LinearFormat:
     """A quantized weight layout. Subclasses say which parameters a Linear holds (`params`, its `weight` the
     quantized values), which tensors a checkpoint module stores (`checkpoint_tensors`) and how they become the
-    parameters (`convert`), and how rows dequantize (`dequantize`)."""
+    parameters (`convert`), and how rows dequantize (`dequantize`). `kernels`: the native CPU kernels, set at
+    load on a CPU (None elsewhere), for a format with a faster product there (`gemv`)."""
 
     name = "quantized"
+    kernels = None
+
+    def gemv(self, layer: Linear, x2d: torch.Tensor) -> torch.Tensor | None:
+        """x2d @ W^T for a few rows (at most GEMV_MAX_ROWS) read from the stored bytes, or None where this format
+        has no such kernel here (the tiles of dequantize() serve then)."""
+        return None
 
     def params(self, out_features: int, in_features: int, dtype: torch.dtype) -> dict[str, ParamSpec]:
         raise NotImplementedError
@@ -90,17 +99,23 @@ class DequantLinearMethod(LinearMethod):
         perm = getattr(layer, "input_perm", None)
         if perm is not None:  # the weight's columns are stored in this order (GPTQ act-order)
             x2d = x2d.index_select(1, perm)
-        rows, n = layer.out_features, self.format.row_tile(layer.in_features)
-        if n >= rows:
-            out = F.linear(x2d, self.format.dequantize(layer, 0, rows, x2d.dtype))
-        else:
-            out = x2d.new_empty(x2d.shape[0], rows)
-            for start in range(0, rows, n):
-                end = min(start + n, rows)
-                out[:, start:end] = F.linear(x2d, self.format.dequantize(layer, start, end, x2d.dtype))
+        out = self.format.gemv(layer, x2d) if x2d.shape[0] <= GEMV_MAX_ROWS else None
+        if out is None:
+            out = self._tiled(layer, x2d)
         if layer.bias is not None:
             out = out + layer.bias
-        return out.reshape(*x.shape[:-1], rows)
+        return out.reshape(*x.shape[:-1], layer.out_features)
+
+    def _tiled(self, layer: Linear, x2d: torch.Tensor) -> torch.Tensor:
+        """x2d @ W^T, W dequantized a tile of rows at a time."""
+        rows, n = layer.out_features, self.format.row_tile(layer.in_features)
+        if n >= rows:
+            return F.linear(x2d, self.format.dequantize(layer, 0, rows, x2d.dtype))
+        out = x2d.new_empty(x2d.shape[0], rows)
+        for start in range(0, rows, n):
+            end = min(start + n, rows)
+            out[:, start:end] = F.linear(x2d, self.format.dequantize(layer, start, end, x2d.dtype))
+        return out
 
 
 def make_quantized(layer: Linear, fmt: LinearFormat) -> None:

@@ -3,8 +3,8 @@
 quant_method         what pagedllm loads
 fp8                  fp8 e4m3 weights, per-tensor scales, or `weight_block_size` block scales (`weight_scale_inv`)
 compressed-tensors   float-quantized fp8 (tensor / channel / block), pack-quantized int4 (W4A16, group or channel,
-                     symmetric or not, actorder)
-modelopt             quant_algo FP8
+                     symmetric or not, actorder), nvfp4-pack-quantized
+modelopt             quant_algo FP8, NVFP4
 gptq                 bits 4, any group size, sym or not, desc_act (checkpoint_format gptq or gptq_v2)
 awq                  bits 4, version gemm
 mxfp4                gpt-oss' experts
@@ -26,10 +26,11 @@ from pagedllm.model_executor.quant.base import LinearFormat, make_quantized
 from pagedllm.model_executor.quant.fp8 import Fp8Format
 from pagedllm.model_executor.quant.int4 import Int4Format
 from pagedllm.model_executor.quant.mxfp4 import make_mxfp4_experts
+from pagedllm.model_executor.quant.nvfp4 import Nvfp4Format
 
 SUPPORTED_FORMATS = ("fp8 (per-tensor, per-channel or block scales: quant_method fp8, compressed-tensors, "
-                     "modelopt FP8), int4 W4A16 (gptq, awq gemm, compressed-tensors pack-quantized), "
-                     "mxfp4 (gpt-oss experts)")
+                     "modelopt FP8), nvfp4 (modelopt NVFP4, compressed-tensors nvfp4-pack-quantized), int4 W4A16 "
+                     "(gptq, awq gemm, compressed-tensors pack-quantized), mxfp4 (gpt-oss experts)")
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,12 @@ def _fp8(qc: dict) -> CheckpointQuant:
 def _modelopt(qc: dict) -> CheckpointQuant:
     inner = qc.get("quantization") or qc
     algo = str(inner.get("quant_algo", "")).upper()
-    if algo != "FP8":
+    if algo == "FP8":
+        fmt = Fp8Format(scale_name="weight_scale", input_scale=True, per_tensor=True)
+    elif algo == "NVFP4":
+        fmt = Nvfp4Format("modelopt", input_scales=("input_scale",))
+    else:
         raise _unsupported("modelopt", f"quant_algo {algo!r}")
-    fmt = Fp8Format(scale_name="weight_scale", input_scale=True, per_tensor=True)
     return CheckpointQuant("modelopt", (FormatGroup(fmt),), ignore=_names(inner.get("exclude_modules")))
 
 
@@ -196,6 +200,8 @@ def _compressed_tensors_format(weights: dict, inputs: dict | None, fmt: str | No
         static_inputs = bool(inputs) and not inputs.get("dynamic", False)
         return Fp8Format(block=tuple(block) if block else None, input_scale=static_inputs,
                          per_tensor=strategy == "tensor")
+    if kind == "float" and bits == 4 and fmt == "nvfp4-pack-quantized":
+        return Nvfp4Format("compressed-tensors", input_scales=("input_global_scale",) if inputs else ())
     if kind == "int" and bits == 4 and fmt == "pack-quantized" and strategy in ("group", "channel"):
         group = weights.get("group_size") if strategy == "group" else None
         return Int4Format("compressed-tensors", group, bool(weights.get("symmetric", True)),

@@ -130,7 +130,20 @@ class Int4Format(LinearFormat):
             raise ValueError("a symmetric int4 checkpoint must have every zero point at 8")
         return params
 
+    def _kernel_applies(self, layer: Linear, dtype: torch.dtype) -> bool:
+        """quant_gemv.cpp takes bf16 on a CPU, in groups of 32 columns or more."""
+        return (self.kernels is not None and dtype == torch.bfloat16 == layer.weight_scale.dtype
+                and layer.weight.device.type == "cpu" and self._group(layer.in_features) % 32 == 0)
+
+    def gemv(self, layer: Linear, x2d: torch.Tensor) -> torch.Tensor | None:
+        if not self._kernel_applies(layer, x2d.dtype):
+            return None
+        return self.kernels.int4_gemv(x2d, layer.weight, layer.weight_scale, getattr(layer, "weight_zero", None))
+
     def dequantize(self, layer: Linear, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._kernel_applies(layer, dtype):
+            return self.kernels.int4_dequantize(layer.weight, layer.weight_scale, getattr(layer, "weight_zero", None),
+                                                start, end)
         scale = layer.weight_scale[start:end].to(dtype)
         rows, groups = scale.shape
         q = unpack_nibbles(layer.weight[start:end]).view(rows, groups, -1).to(dtype)

@@ -1,0 +1,352 @@
+// int4 weights (quant/int4.py's layout: (N, K / 2) bytes, column 2j in the low nibble of byte j; a scale per group
+// of G columns, (N, K / G) bfloat16; zero points as (N, ceil(K / G / 2)) nibbles, or 8 when symmetric), read as
+// they are stored: y = x @ W^T at a handful of rows (decode), and rows of W dequantized to bfloat16 (the tiles a
+// larger batch multiplies with the bf16 GEMM).
+//
+// The product splits x into its even and odd columns once per call, so a byte's two nibbles meet their inputs
+// without shuffles, and sums per group sum_i q_i x_i; then y = sum_g scale_g (sum_i q_i x_i - zero_g sum_i x_i).
+// Three ways, the first the CPU has:
+// - AVX512-VNNI, groups of 128+ columns: x quantized per group to int8 (absmax / 127, as vLLM's CPU int4 path
+//   via IPEX's INT8 low-precision mode and llama.cpp's Q8 activations do), 64 nibble x int8 products per
+//   vpdpbusd, one float conversion per group. A decode step is then bound by memory, not arithmetic (bf16
+//   products of the nibbles ran ~2x slower than the bytes arrive on this project's 2-core CPU).
+// - AVX512-BF16, groups of 64: a nibble q becomes the bfloat16 of 128 + q by one OR (0x4300 | q: exact in
+//   bfloat16's 8-bit significand), 32 per vdpbf16ps against x in bfloat16; 128 sum_i x_i comes off with the zero.
+// - any CPU: the nibbles widen to float32 and meet float32 x.
+#include "common.h"
+
+namespace {
+
+constexpr int kMaxRows = 8;
+
+struct Int4Weight {
+  const uint8_t* w;         // (N, K / 2)
+  const c10::BFloat16* s;   // (N, groups)
+  const uint8_t* z;         // (N, zero_bytes) or nullptr: 8
+  int64_t n, k, group, groups, zero_bytes;
+
+  float scale(int64_t row, int64_t g) const { return static_cast<float>(s[row * groups + g]); }
+  float zero(int64_t row, int64_t g) const {
+    if (z == nullptr) return 8.f;
+    const uint8_t b = z[row * zero_bytes + g / 2];
+    return static_cast<float>(g % 2 ? b >> 4 : b & 0xF);
+  }
+};
+
+// x's even and odd columns, (M, K / 2) each, and each group's sum of x, (M, groups), in float32 and bfloat16;
+// with `int8`, also quantized per group: int8 columns, each group's scale and sum of its int8 values.
+struct SplitInput {
+  std::vector<float> even, odd, group_sum;
+  std::vector<c10::BFloat16> even_bf16, odd_bf16;
+  std::vector<int8_t> even_i8, odd_i8;
+  std::vector<float> scale_i8;
+  std::vector<int32_t> sum_i8;
+
+  SplitInput(const c10::BFloat16* x, int64_t m, int64_t k, int64_t group, bool int8) {
+    const int64_t half = k / 2, groups = k / group;
+    even.resize(m * half);
+    odd.resize(m * half);
+    even_bf16.resize(m * half);
+    odd_bf16.resize(m * half);
+    group_sum.assign(m * groups, 0.f);
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t j = 0; j < half; ++j) {
+        const c10::BFloat16 a = x[r * k + 2 * j], b = x[r * k + 2 * j + 1];
+        even_bf16[r * half + j] = a;
+        odd_bf16[r * half + j] = b;
+        even[r * half + j] = static_cast<float>(a);
+        odd[r * half + j] = static_cast<float>(b);
+        group_sum[r * groups + (2 * j) / group] += static_cast<float>(a) + static_cast<float>(b);
+      }
+    }
+    if (int8) quantize(m, half, group / 2, groups);
+  }
+
+  void quantize(int64_t m, int64_t half, int64_t per_group, int64_t groups) {
+    even_i8.resize(m * half);
+    odd_i8.resize(m * half);
+    scale_i8.assign(m * groups, 0.f);
+    sum_i8.assign(m * groups, 0);
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t begin = r * half + g * per_group, end = begin + per_group;
+        float absmax = 0.f;
+        for (int64_t j = begin; j < end; ++j) absmax = std::max({absmax, std::fabs(even[j]), std::fabs(odd[j])});
+        const float scale = absmax / 127.f, inverse = absmax > 0.f ? 127.f / absmax : 0.f;
+        int32_t sum = 0;
+        for (int64_t j = begin; j < end; ++j) {
+          even_i8[j] = static_cast<int8_t>(std::nearbyint(even[j] * inverse));
+          odd_i8[j] = static_cast<int8_t>(std::nearbyint(odd[j] * inverse));
+          sum += even_i8[j] + odd_i8[j];
+        }
+        scale_i8[r * groups + g] = scale;
+        sum_i8[r * groups + g] = sum;
+      }
+    }
+  }
+};
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kHasVnni = true;
+// R output rows at once, x in int8 (SplitInput::quantize): per group, 64 nibbles x int8 per vpdpbusd (low and high
+// nibbles against x's even and odd columns), the int32 sums scaled by scale_g * x_scale_g into float32.
+template <int R, int M>
+void int4_rows_vnni(const Int4Weight& W, const SplitInput& in, int64_t row0, float (*out)[M]) {
+  const int64_t half = W.k / 2, bytes_per_group = W.group / 2, groups = W.groups;
+  const __m512i low_mask = _mm512_set1_epi8(0x0F);
+  // Per row and input: scale_g * x_scale_g for every group, and the zero points' share, sum_g of that times
+  // zero_g * sum of the group's int8 x (loops over groups the compiler vectorizes, out of the byte loop).
+  thread_local std::vector<float> factors;
+  factors.resize(static_cast<size_t>(R * M * groups));
+  float correction[R][M];
+  for (int r = 0; r < R; ++r) {
+    for (int m = 0; m < M; ++m) {
+      float* f = factors.data() + (r * M + m) * groups;
+      const float* xs = in.scale_i8.data() + m * groups;
+      const int32_t* xsum = in.sum_i8.data() + m * groups;
+      float corr = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        f[g] = W.scale(row0 + r, g) * xs[g];
+        corr += f[g] * W.zero(row0 + r, g) * static_cast<float>(xsum[g]);
+      }
+      correction[r][m] = corr;
+    }
+  }
+  __m512 total[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) total[r][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_si512();
+    for (int64_t c = g * bytes_per_group; c < (g + 1) * bytes_per_group; c += 64) {
+      __m512i xe[M], xo[M];
+      for (int m = 0; m < M; ++m) {
+        xe[m] = _mm512_loadu_si512(in.even_i8.data() + m * half + c);
+        xo[m] = _mm512_loadu_si512(in.odd_i8.data() + m * half + c);
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = W.w + (row0 + r) * half + c;
+        _mm_prefetch(reinterpret_cast<const char*>(p + R * half), _MM_HINT_T0);  // the next block's rows
+        const __m512i bytes = _mm512_loadu_si512(p);
+        const __m512i lo = _mm512_and_si512(bytes, low_mask);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_mask);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][m], lo, xe[m]), hi, xo[m]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m)
+        total[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][m]), _mm512_set1_ps(factors[(r * M + m) * groups + g]),
+                                      total[r][m]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[r][m] = _mm512_reduce_add_ps(total[r][m]) - correction[r][m];
+}
+#else
+constexpr bool kHasVnni = false;
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// R output rows at once (their weights streamed side by side, each x chunk loaded once for all R): per row
+// sum_g scale_g * sum_i (128 + q_i) x_i - sum_g scale_g (128 + zero_g) sum_g x, via vdpbf16ps. Low and high
+// nibbles accumulate apart, so R x M x 2 independent chains hide the dot product's latency.
+template <int R, int M>
+void int4_rows_bf16dot(const Int4Weight& W, const SplitInput& in, int64_t row0, float (*out)[M]) {
+  const int64_t half = W.k / 2, bytes_per_group = W.group / 2;
+  const __m512i low_mask = _mm512_set1_epi16(0x0F), bias = _mm512_set1_epi16(0x4300);
+  __m512 total[R][M];
+  float correction[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) total[r][m] = _mm512_setzero_ps(), correction[r][m] = 0.f;
+  for (int64_t g = 0; g < W.groups; ++g) {
+    __m512 acc_lo[R][M], acc_hi[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc_lo[r][m] = _mm512_setzero_ps(), acc_hi[r][m] = _mm512_setzero_ps();
+    for (int64_t c = g * bytes_per_group; c < (g + 1) * bytes_per_group; c += 32) {
+      __m512bh xe[M], xo[M];
+      for (int m = 0; m < M; ++m) {
+        xe[m] = (__m512bh)_mm512_loadu_si512(in.even_bf16.data() + m * half + c);
+        xo[m] = (__m512bh)_mm512_loadu_si512(in.odd_bf16.data() + m * half + c);
+      }
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = W.w + (row0 + r) * half + c;
+        if (c % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + R * half), _MM_HINT_T0);
+        const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        const __m512bh lo = (__m512bh)_mm512_ternarylogic_epi32(words, low_mask, bias, 0xEA);  // (a & b) | c
+        const __m512bh hi = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(words, 4), bias);
+        for (int m = 0; m < M; ++m) {
+          acc_lo[r][m] = _mm512_dpbf16_ps(acc_lo[r][m], lo, xe[m]);
+          acc_hi[r][m] = _mm512_dpbf16_ps(acc_hi[r][m], hi, xo[m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float s = W.scale(row0 + r, g), offset = s * (128.f + W.zero(row0 + r, g));
+      for (int m = 0; m < M; ++m) {
+        total[r][m] = _mm512_fmadd_ps(_mm512_add_ps(acc_lo[r][m], acc_hi[r][m]), _mm512_set1_ps(s), total[r][m]);
+        correction[r][m] += offset * in.group_sum[m * W.groups + g];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[r][m] = _mm512_reduce_add_ps(total[r][m]) - correction[r][m];
+}
+#endif
+
+// The same in float32 vectors (any CPU): 32 columns (16 bytes) at a time.
+template <int M>
+void int4_row_float(const Int4Weight& W, const SplitInput& in, int64_t row, float* out) {
+  typedef uint8_t u8x16 __attribute__((vector_size(16)));
+  const int64_t half = W.k / 2, bytes_per_group = W.group / 2;
+  const uint8_t* wrow = W.w + row * half;
+  float result[M] = {};
+  for (int64_t g = 0; g < W.groups; ++g) {
+    f32x16 acc[M] = {};
+    for (int64_t c = g * bytes_per_group; c < (g + 1) * bytes_per_group; c += 16) {
+      u8x16 b;
+      std::memcpy(&b, wrow + c, sizeof b);
+      const f32x16 lo = __builtin_convertvector(b & 0x0F, f32x16), hi = __builtin_convertvector(b >> 4, f32x16);
+      for (int m = 0; m < M; ++m) acc[m] += lo * load16(in.even.data() + m * half + c) + hi * load16(in.odd.data() + m * half + c);
+    }
+    const float s = W.scale(row, g), z = W.zero(row, g);
+    for (int m = 0; m < M; ++m) result[m] += s * (sum16(acc[m]) - z * in.group_sum[m * W.groups + g]);
+  }
+  for (int m = 0; m < M; ++m) out[m] = result[m];
+}
+
+// Which product int4_gemv runs for a weight in groups of `group` columns (see the top of the file).
+enum class Int4Path { kVnni, kBf16Dot, kFloat };
+
+Int4Path int4_path(int64_t group) {
+  if (kHasVnni && group % 128 == 0) return Int4Path::kVnni;
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (group % 64 == 0) return Int4Path::kBf16Dot;
+#endif
+  return Int4Path::kFloat;
+}
+
+// R rows from row0 by `path`.
+template <int R, int M>
+void int4_block(const Int4Weight& W, const SplitInput& in, Int4Path path, int64_t row0, float (*out)[M]) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (path == Int4Path::kVnni) return int4_rows_vnni<R, M>(W, in, row0, out);
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (path == Int4Path::kBf16Dot) return int4_rows_bf16dot<R, M>(W, in, row0, out);
+#endif
+  for (int r = 0; r < R; ++r) int4_row_float<M>(W, in, row0 + r, out[r]);
+}
+
+template <int M>
+void int4_gemv_rows(const Int4Weight& W, const SplitInput& in, Int4Path path, c10::BFloat16* y) {
+  constexpr int R = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;  // rows at once: R x M accumulators, each x chunk loaded once
+  parallel_chunks((W.n + R - 1) / R, 4, [&](auto next) {
+    int64_t begin, end;
+    float out[R][M];
+    while (next(begin, end)) {
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t row0 = block * R;
+        const int rows = static_cast<int>(std::min<int64_t>(R, W.n - row0));
+        if (rows == R) {
+          int4_block<R, M>(W, in, path, row0, out);
+        } else {
+          for (int r = 0; r < rows; ++r) int4_block<1, M>(W, in, path, row0 + r, &out[r]);
+        }
+        for (int r = 0; r < rows; ++r)
+          for (int m = 0; m < M; ++m) y[m * W.n + row0 + r] = static_cast<c10::BFloat16>(out[r][m]);
+      }
+    }
+  });
+}
+
+Int4Weight int4_weight(const at::Tensor& weight, const at::Tensor& scale, const c10::optional<at::Tensor>& zero) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+              "int4 weight must be contiguous (N, K / 2) uint8");
+  TORCH_CHECK(scale.scalar_type() == at::kBFloat16 && scale.dim() == 2 && scale.is_contiguous() &&
+              scale.size(0) == weight.size(0), "int4 scales must be contiguous (N, groups) bfloat16");
+  const int64_t k = weight.size(1) * 2, groups = scale.size(1);
+  TORCH_CHECK(groups > 0 && k % groups == 0 && (k / groups) % 32 == 0, "int4 groups must be whole multiples of 32 columns");
+  Int4Weight W{weight.data_ptr<uint8_t>(), scale.data_ptr<c10::BFloat16>(), nullptr, weight.size(0), k, k / groups,
+               groups, 0};
+  if (zero.has_value()) {
+    TORCH_CHECK(zero->scalar_type() == at::kByte && zero->is_contiguous() && zero->size(0) == W.n &&
+                zero->size(1) == (groups + 1) / 2, "int4 zero points must be contiguous (N, ceil(groups / 2)) uint8");
+    W.z = zero->data_ptr<uint8_t>();
+    W.zero_bytes = zero->size(1);
+  }
+  return W;
+}
+
+}  // namespace
+
+// x: (M, K) bfloat16, 1 <= M <= 8. Returns (M, N) bfloat16.
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale,
+                     const c10::optional<at::Tensor>& zero) {
+  const Int4Weight W = int4_weight(weight, scale, zero);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == W.k && x.size(0) >= 1 &&
+              x.size(0) <= kMaxRows, "x must be (M, K) bfloat16 with 1 <= M <= 8");
+  const at::Tensor xc = x.contiguous();
+  const Int4Path path = int4_path(W.group);
+  const SplitInput in(xc.data_ptr<c10::BFloat16>(), x.size(0), W.k, W.group, path == Int4Path::kVnni);
+  at::Tensor y = at::empty({x.size(0), W.n}, x.options());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  switch (x.size(0)) {
+    case 1: int4_gemv_rows<1>(W, in, path, yp); break;
+    case 2: int4_gemv_rows<2>(W, in, path, yp); break;
+    case 3: int4_gemv_rows<3>(W, in, path, yp); break;
+    case 4: int4_gemv_rows<4>(W, in, path, yp); break;
+    case 5: int4_gemv_rows<5>(W, in, path, yp); break;
+    case 6: int4_gemv_rows<6>(W, in, path, yp); break;
+    case 7: int4_gemv_rows<7>(W, in, path, yp); break;
+    default: int4_gemv_rows<8>(W, in, path, yp); break;
+  }
+  return y;
+}
+
+// Which int4_gemv product this build runs for groups of `group` columns: "vnni" (x in int8), "bf16dot" or "float".
+std::string int4_gemv_path(int64_t group) {
+  switch (int4_path(group)) {
+    case Int4Path::kVnni: return "vnni";
+    case Int4Path::kBf16Dot: return "bf16dot";
+    default: return "float";
+  }
+}
+
+// Rows start:end of the weight, dequantized to bfloat16: (end - start, K), each value round((q - zero) * scale).
+at::Tensor int4_dequantize(const at::Tensor& weight, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
+                           int64_t start, int64_t end) {
+  const Int4Weight W = int4_weight(weight, scale, zero);
+  TORCH_CHECK(0 <= start && start <= end && end <= W.n, "rows out of range");
+  at::Tensor out = at::empty({end - start, W.k}, scale.options());
+  auto* o = out.data_ptr<c10::BFloat16>();
+  typedef uint8_t u8x16 __attribute__((vector_size(16)));
+  typedef uint16_t u16x32 __attribute__((vector_size(64)));
+  const int64_t half = W.k / 2, bytes_per_group = W.group / 2;
+  parallel_chunks(end - start, 8, [&](auto next) {
+    int64_t begin, stop;
+    while (next(begin, stop)) {
+      for (int64_t r = begin; r < stop; ++r) {
+        const int64_t row = start + r;
+        for (int64_t g = 0; g < W.groups; ++g) {
+          const float s = W.scale(row, g), z = W.zero(row, g);
+          for (int64_t c = g * bytes_per_group; c < (g + 1) * bytes_per_group; c += 16) {
+            u8x16 b;
+            std::memcpy(&b, W.w + row * half + c, sizeof b);
+            const f32x16 lo = (__builtin_convertvector(b & 0x0F, f32x16) - z) * s;
+            const f32x16 hi = (__builtin_convertvector(b >> 4, f32x16) - z) * s;
+            c10::BFloat16 lo16[16], hi16[16];
+            store16(lo16, lo);
+            store16(hi16, hi);
+            u16x16 a, h;
+            std::memcpy(&a, lo16, sizeof a);
+            std::memcpy(&h, hi16, sizeof h);
+            const u16x32 pairs = __builtin_shufflevector(a, h, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                         8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+            std::memcpy(o + r * W.k + 2 * c, &pairs, sizeof pairs);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
