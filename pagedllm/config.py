@@ -18,10 +18,17 @@ DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-QUANTIZATION_METHODS = ("int8",)
-# --preemption-mode, vLLM's names. None (the default): swap when there is swap space and it pays.
+# --quantization. At load, a 16/32-bit checkpoint's decoder Linears become weight-only int8 or fp8 (per-output-channel
+# scales). A quantized checkpoint loads as stored: its quant_method may be named (as vLLM accepts it), and
+# `pagedllm plan` also sizes checkpoints stored in int4 (GPTQ / AWQ / compressed-tensors W4A16, groups of 128) or
+# nvfp4, which pagedllm loads but does not make at load.
+QUANTIZE_AT_LOAD = ("int8", "fp8")
+PLANNED_CHECKPOINT_FORMATS = ("int4", "nvfp4")
+CHECKPOINT_QUANT_METHODS = ("fp8", "gptq", "awq", "compressed-tensors", "modelopt", "mxfp4")
+QUANTIZATION_METHODS = tuple(dict.fromkeys(QUANTIZE_AT_LOAD + PLANNED_CHECKPOINT_FORMATS + CHECKPOINT_QUANT_METHODS))
 SCHEDULING_POLICIES = ("fcfs", "priority")  # --scheduling-policy (vLLM's names)
-PREEMPTION_MODES = ("swap", "recompute")  # --quantization: weight-only int8, quantized at load
+# --preemption-mode, vLLM's names. None (the default): swap when there is swap space and it pays.
+PREEMPTION_MODES = ("swap", "recompute")
 # --kv-cache-dtype, vLLM's names: "auto" is the model dtype, "fp8" is fp8_e4m3.
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -86,7 +93,7 @@ class ModelConfig:
     load_format: str = "auto"
     seed: int = 0
     tokenizer: Path | None = None  # None: no tokenizer files (token-id prompts only)
-    quantization: str | None = None  # one of QUANTIZATION_METHODS: the decoder Linears' weights, at load
+    quantization: str | None = None  # one of QUANTIZE_AT_LOAD: the decoder Linears' weights, quantized at load
     cpu_offload_bytes: int = 0  # whole decoder layers' weights kept in host memory (--cpu-offload-gb)
     # Audio models: repetition-aware sampling as the checkpoint's generation_config.json sets it (True), or off.
     repetition_aware_sampling: bool = True

@@ -18,6 +18,7 @@ from pagedllm.config import (
     PREEMPTION_MODES,
     SCHEDULING_POLICIES,
     QUANTIZATION_METHODS,
+    QUANTIZE_AT_LOAD,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -138,8 +139,11 @@ class EngineArgs:
     load_format: str = flag("auto", "auto or safetensors: the checkpoint's weights; dummy: random weights of the "
                             "config's shapes", choices=lambda: LOAD_FORMATS)
     device: str = flag("auto", "auto (cuda when there is one), cpu, cuda or cuda:N", parse=_device)
-    quantization: str | None = flag(None, "int8: weight-only int8 decoder Linears (per-output-channel scales), "
-                                    "quantized at load; embeddings and LM head stay in --dtype",
+    quantization: str | None = flag(None, "int8 or fp8: weight-only int8 / fp8 (e4m3) decoder Linears "
+                                    "(per-output-channel scales), quantized at load; embeddings and LM head stay in "
+                                    "--dtype. A quantized checkpoint (FP8, NVFP4, MXFP4, GPTQ, AWQ, "
+                                    "compressed-tensors: docs/quantization.md) loads as stored: none needed, or its "
+                                    "quant_method. plan: int4 / nvfp4 size a checkpoint stored so",
                                     choices=lambda: QUANTIZATION_METHODS, aliases=("-q",))
     cpu_offload_gb: float = flag(0.0, "GiB of weights (whole decoder layers, the last first) kept in host memory "
                                  "and copied to the GPU layer by layer; CUDA only")
@@ -212,7 +216,7 @@ class EngineArgs:
             model=self.model, path=path, hf_config=hf_config, architecture=architecture, dtype=dtype,
             max_model_len=max_model_len, max_model_len_auto=self.max_model_len in ("auto", -1),
             load_format=self.load_format, seed=self.seed,
-            tokenizer=tokenizer, quantization=self.quantization, cpu_offload_bytes=cpu_offload_bytes,
+            tokenizer=tokenizer, quantization=self._quantize_at_load(hf_config), cpu_offload_bytes=cpu_offload_bytes,
             repetition_aware_sampling=self.repetition_aware_sampling,
             max_logprobs=self._max_logprobs(hf_config.vocab_size),
         )
@@ -293,20 +297,31 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None (off); "
                              f"got {self.quantization!r}.")
-        if self.quantization == "int8" and num_experts(hf_config):
-            raise UnsupportedModelError(
-                "--quantization int8 quantizes dense Linear layers; this model's experts (a mixture of experts) "
-                "cannot be int8 yet: serve it in bfloat16, or from an FP8 / int4 checkpoint once those load.")
         stored = checkpoint_quant(hf_config)  # (raises for a format pagedllm does not load)
-        if stored is None:
+        if stored is not None:
+            if self.quantization not in (None, stored.method):
+                raise ValueError(f"--quantization {self.quantization}: this checkpoint is already quantized "
+                                 f"({stored.method}: {stored.describe()}) and loads as stored: drop --quantization "
+                                 f"(or name its quant_method, {stored.method}).")
+            if self.tensor_parallel_size > 1:
+                raise UnsupportedModelError(f"tensor parallelism over a quantized checkpoint ({stored.describe()}) "
+                                            f"is not supported yet: serve it with --tensor-parallel-size 1.")
             return
-        if self.quantization is not None:
-            raise ValueError(f"--quantization {self.quantization} quantizes a 16/32-bit checkpoint at load; this "
-                             f"checkpoint is already quantized ({stored.describe()}) and loads as stored: drop "
-                             f"--quantization.")
-        if self.tensor_parallel_size > 1:
-            raise UnsupportedModelError(f"tensor parallelism over a quantized checkpoint ({stored.describe()}) is "
-                                        f"not supported yet: serve it with --tensor-parallel-size 1.")
+        if self.quantization is not None and self.quantization not in QUANTIZE_AT_LOAD:
+            raise ValueError(
+                f"--quantization {self.quantization} names a checkpoint's format, and this checkpoint is not "
+                f"quantized. pagedllm quantizes a 16/32-bit checkpoint at load to {' or '.join(QUANTIZE_AT_LOAD)}; "
+                f"int4 and nvfp4 weights come from checkpoints stored so (GPTQ, AWQ, compressed-tensors, ModelOpt), "
+                f"which `pagedllm plan --quantization {self.quantization}` sizes.")
+        if self.quantization is not None and num_experts(hf_config):
+            raise UnsupportedModelError(
+                f"--quantization {self.quantization} quantizes dense Linear layers; this model's experts (a mixture "
+                f"of experts) cannot be quantized at load yet: serve it in bfloat16, or from a quantized "
+                f"checkpoint (gpt-oss' MXFP4 experts load as shipped).")
+
+    def _quantize_at_load(self, hf_config) -> str | None:
+        """What the loader quantizes the checkpoint to (None: nothing; a quantized checkpoint loads as stored)."""
+        return None if checkpoint_quant(hf_config) is not None else self.quantization
 
     def _cpu_offload_bytes(self, device: str) -> int:
         """--cpu-offload-gb in bytes; refused where there is no accelerator memory to relieve."""

@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import torch
 
+from pagedllm.config import PLANNED_CHECKPOINT_FORMATS
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.memory.device import DeviceMemory
 from pagedllm.memory.device import device_memory as measure_device_memory
@@ -12,6 +13,7 @@ from pagedllm.memory.device import host_memory as host_memory_of_this_machine
 from pagedllm.memory.facts import device_facts, dry_run_model_facts, settings_from, with_measured_offload_cost
 from pagedllm.memory.plan import MemoryPlan
 from pagedllm.model_executor.model_files import resolve_model_path, weight_files
+from pagedllm.model_executor.quant import checkpoint_quant
 from pagedllm.utils import parse_size
 
 
@@ -55,12 +57,19 @@ def dry_run_plan(args: EngineArgs, device: str = "auto", device_memory: str | No
         facts = device_facts(replace(mem, unified=mem.unified or unified),
                              host=None if device == "cpu" else host_memory_of_this_machine())
 
-    args = replace(args, device=device, tensor_parallel_size=tensor_parallel_size)  # refused if it cannot split
+    # --quantization int4 / nvfp4: the checkpoint of this model stored so, sized (the engine loads such checkpoints;
+    # it does not make them at load).
+    planned = args.quantization if args.quantization in PLANNED_CHECKPOINT_FORMATS else None
+    args = replace(args, device=device, tensor_parallel_size=tensor_parallel_size,  # refused if it cannot split
+                   quantization=None if planned else args.quantization)
     if args.model is not None and resolve_model_path(args.model, args.revision).is_file():
         args.load_format = "dummy"  # a bare config: weights sized from its shapes
     config = args.create_engine_config()
+    if planned and checkpoint_quant(config.model.hf_config) is not None:
+        raise ValueError(f"--quantization {planned} sizes a 16/32-bit model's checkpoint stored in {planned}; this "
+                         f"checkpoint is already quantized.")
     settings = settings_from(config)
-    settings = replace(settings, tensor_parallel_size=tensor_parallel_size,
+    settings = replace(settings, tensor_parallel_size=tensor_parallel_size, quantization=planned or settings.quantization,
                        max_model_len=None if config.model.max_model_len_auto else settings.max_model_len)
     files = weight_files(config.model.path) if config.model.load_format != "dummy" else []
     model = dry_run_model_facts(config.model.hf_config, files, config.model.model_max_len, device)

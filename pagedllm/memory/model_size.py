@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.model_executor.kv_quant import kv_scale_target
 from pagedllm.model_executor.moe import expert_width, is_sparse_layer, num_experts
-from pagedllm.model_executor.quant import checkpoint_quant
+from pagedllm.model_executor.quant import checkpoint_quant, planned_quant
 from pagedllm.model_executor.quant.mxfp4 import mxfp4_expert_bytes
 from pagedllm.model_executor.quantization import (
     int8_weight_bytes,
@@ -45,10 +45,15 @@ def weight_bytes_from_headers(files: list[Path], dtype: torch.dtype, tied: bool,
     headers = [(name, info) for f in files for name, info in safetensors_header(f).items()
                if not _skipped(name, tied) and name.startswith(prefix)]
     total, stored_names = _stored_module_bytes(headers, dtype, stored) if stored is not None else (0, set())
+    planned = planned_quant(quantization)
+    planned = None if planned is None else planned.groups[0].format  # the format --quantization makes
     for name, info in headers:
         if name in stored_names:
             continue
         shape = info["shape"]
+        if planned is not None and is_quantized_weight_name(name):
+            total += planned.weight_bytes(shape[0], shape[1], dtype)
+            continue
         if quantization == "int8" and is_quantized_weight_name(name):
             total += int8_weight_bytes(shape[0], shape[1], dtype)
             continue
@@ -105,7 +110,7 @@ def layer_weight_bytes_from_config(cfg, dtype: torch.dtype, quantization: str | 
     if quantization == "int8":
         for out, inp in _decoder_linear_shapes(cfg):
             total += int8_weight_bytes(out, inp, dtype) - out * inp * dtype.itemsize
-    stored = checkpoint_quant(cfg)
+    stored = checkpoint_quant(cfg) or planned_quant(quantization)
     if stored is not None:
         total += _stored_bytes_saved(cfg, dtype, stored, index)
     return total
@@ -128,9 +133,13 @@ def _stored_bytes_saved(cfg, dtype: torch.dtype, stored, index: int) -> int:
         fmt = stored.format_of(names)
         if fmt is not None:
             saved += fmt.weight_bytes(out, inp, dtype) - out * inp * dtype.itemsize
-    if is_sparse_layer(cfg, index) and stored.experts == "mxfp4":
+    if is_sparse_layer(cfg, index):
         e, w = num_experts(cfg), expert_width(cfg)
-        saved += mxfp4_expert_bytes(e, h, w) - e * 3 * h * w * dtype.itemsize
+        fmt = stored.format_of([f"{prefix}mlp.experts.0.gate_proj"])
+        if stored.experts == "mxfp4":
+            saved += mxfp4_expert_bytes(e, h, w) - e * 3 * h * w * dtype.itemsize
+        elif fmt is not None:  # (a plan's int4 / fp8 / nvfp4 checkpoint quantizes the experts too)
+            saved += e * (fmt.weight_bytes(2 * w, h, dtype) + fmt.weight_bytes(h, w, dtype) - 3 * h * w * dtype.itemsize)
     return saved
 
 

@@ -8,7 +8,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from pagedllm.config import resolve_kv_cache_dtype
+from pagedllm.config import PLANNED_CHECKPOINT_FORMATS, QUANTIZE_AT_LOAD, resolve_kv_cache_dtype
+
+# Where checkpoints stored in a format --quantization can only plan come from.
+PLANNED_CHECKPOINT_SOURCES = {"int4": "GPTQ, AWQ or compressed-tensors W4A16, as `*-AWQ` / `*-GPTQ-Int4` repos ship",
+                              "nvfp4": "ModelOpt or compressed-tensors NVFP4, as `nvidia/*-FP4` repos ship"}
 from pagedllm.errors import KVCacheMemoryError
 from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.model_executor.offload import device_slots, num_offloaded_layers
@@ -530,8 +534,10 @@ class MemoryPlan:
                 candidates.append(("--max-num-batched-tokens", str(lo), self.with_settings(max_num_batched_tokens=lo)))
         if s.num_gpu_blocks_override is None and s.kv_dtype.itemsize > 1:
             candidates.append(("--kv-cache-dtype", "fp8", self.with_settings(kv_cache_dtype="fp8")))
-        if s.quantization is None:
-            candidates.append(("--quantization", "int8", self.with_settings(quantization="int8")))
+        if s.quantization is None and not self.model.stored_format:
+            # Quantized at load (dense models), then the checkpoints stored smaller (their own download).
+            formats = PLANNED_CHECKPOINT_FORMATS if self.model.experts else QUANTIZE_AT_LOAD + PLANNED_CHECKPOINT_FORMATS
+            candidates += [("--quantization", q, self.with_settings(quantization=q)) for q in formats]
         offload = self._cpu_offload_fix()
         if offload is not None:
             candidates.append(offload)
@@ -601,6 +607,10 @@ class MemoryPlan:
         if flag in ("--quantization", "--cpu-offload-gb"):
             text = (f"{fixed.effect()}; weights in device memory {fmt_bytes(self.weight_bytes)} -> "
                     f"{fmt_bytes(fixed.weight_bytes)} ({fmt_bytes(self.weight_bytes - fixed.weight_bytes)} saved)")
+            if fixed.settings.quantization in PLANNED_CHECKPOINT_FORMATS:
+                text += (f"; from a checkpoint of this model stored in {fixed.settings.quantization} "
+                         f"({PLANNED_CHECKPOINT_SOURCES[fixed.settings.quantization]}), which loads as stored: "
+                         f"pagedllm does not make {fixed.settings.quantization} at load")
             return text + (f"; {fixed.offload_cost()}" if flag == "--cpu-offload-gb" else "")
         if flag == "--enforce-eager":
             return (f"{fixed.effect()}; frees the CUDA graph pool ({fmt_bytes(self.graph_pool_bytes)}), and decode "
@@ -655,7 +665,9 @@ class MemoryPlan:
     def _weights_row(self) -> tuple[str, str, str]:
         s = self.settings
         stored = f", {self.model.stored_format}" if self.model.stored_format else ""
-        label = f"model weights ({_dtype_name(s.dtype)}{', int8 decoder linears' if s.quantization else ''}{stored})"
+        linears = f", {s.quantization} decoder linears" if s.quantization in QUANTIZE_AT_LOAD else ""
+        planned = f", as an {s.quantization} checkpoint" if s.quantization in PLANNED_CHECKPOINT_FORMATS else ""
+        label = f"model weights ({_dtype_name(s.dtype)}{linears}{planned}{stored})"
         note = self.model.weights_source + (f"; {self.model.experts}" if self.model.experts else "")
         if self.offloaded_layers:
             slots = device_slots(self.offloaded_layers)

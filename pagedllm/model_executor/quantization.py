@@ -1,4 +1,5 @@
-"""Weight-only int8 (`--quantization int8`): symmetric, one scale per output channel.
+"""Weight-only int8 (`--quantization int8`): symmetric, one scale per output channel. (`--quantization fp8` goes
+through the same walk: quant/fp8.py's quantize_linear_fp8.)
 
 Every Linear of the decoder layers (fused qkv, o_proj, fused gate_up, down_proj) is quantized at
 load from the 16/32-bit weights: scale = absmax(row) / 127, weight = round(w / scale) in [-127, 127].
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.config import QUANTIZATION_METHODS
+from pagedllm.config import QUANTIZE_AT_LOAD
 from pagedllm.model_executor.linear import Linear, LinearMethod
 
 INT8_MAX = 127
@@ -98,20 +99,22 @@ def quantize_linear(layer: Linear, row_absmax=None) -> None:
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
-    """Quantize every Linear inside the decoder layers. Returns how many. Under tensor
-    parallelism a row-parallel Linear (o_proj, down_proj) holds some columns of each row: its ranks agree on
-    the whole row's absmax (one all-reduce), so the scales are those of one device."""
+    """Quantize every Linear inside the decoder layers to `method` (int8 here; fp8: quant/fp8.py). Returns how
+    many. Under tensor parallelism a row-parallel Linear (o_proj, down_proj) holds some columns of each row: its
+    ranks agree on the whole row's absmax (one all-reduce), so the scales are those of one device."""
     from pagedllm.distributed.parallel_state import tp_group
     from pagedllm.distributed.sharding import ROW_PARALLEL
+    from pagedllm.model_executor.quant.fp8 import quantize_linear_fp8
 
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None; got {method!r}.")
+    if method not in QUANTIZE_AT_LOAD:
+        raise ValueError(f"quantization at load must be one of {', '.join(QUANTIZE_AT_LOAD)} or None; got {method!r}.")
+    quantize = quantize_linear if method == "int8" else quantize_linear_fp8
     tp = tp_group()
     count = 0
     for layer in model.decoder_layers():
         for name, child in layer.named_modules():
             if isinstance(child, Linear):
                 shared = tp.max_over_ranks if name.rsplit(".", 1)[-1] in ROW_PARALLEL and tp.size > 1 else None
-                quantize_linear(child, shared)
+                quantize(child, shared)
                 count += 1
     return count

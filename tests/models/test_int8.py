@@ -151,10 +151,11 @@ def test_plan_weight_bytes_equal_what_the_engine_holds(tiny_models, arch, dtype)
 
 
 def test_bad_quantization_values_are_refused(tiny_models):
-    with pytest.raises(ValueError, match="quantization must be one of int8 or None"):
-        LLM(str(tiny_models["llama"]), quantization="int4")
-    with pytest.raises(ValueError, match="int8"):
-        EngineArgs(model=str(tiny_models["llama"]), quantization="fp8").create_engine_config()
+    with pytest.raises(ValueError, match="quantization must be one of int8, fp8, int4, nvfp4, .* or None"):
+        LLM(str(tiny_models["llama"]), quantization="int3")
+    for name in ("int4", "gptq"):  # a checkpoint's format: loaded as stored, never made at load
+        with pytest.raises(ValueError, match=f"--quantization {name} names a checkpoint's format.*int8 or fp8"):
+            EngineArgs(model=str(tiny_models["llama"]), quantization=name).create_engine_config()
 
 
 def test_int8_at_load_is_refused_for_an_already_quantized_checkpoint(tmp_path):

@@ -200,3 +200,39 @@ def test_gpt_oss_20b_layer_shape_runs_in_mxfp4_with_dummy_weights(tmp_path):
     outs = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": list(range(10, 200))}],
                         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+
+
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def test_fp8_at_load_generates_what_transformers_does_on_those_weights(tmp_path):
+    """--quantization fp8 on a 16/32-bit checkpoint: every decoder Linear held as fp8 e4m3 with a float32 scale per
+    output row (absmax / 448), within fp8's rounding of the checkpoint's weights; greedy tokens and logprobs equal
+    transformers' on the same model with those dequantized weights; the plan counts the bytes held."""
+    from tests.helpers import greedy_generate, load_hf_model
+
+    path = make_tiny_model(tmp_path / "dense", "qwen3", **SHAPE)
+    llm = LLM(str(path), dtype="float32", max_model_len=128, quantization="fp8", enable_prefix_caching=False)
+    model = llm.llm_engine.executor.driver.model
+    reference = load_hf_model(path)
+    dense = dict(reference.named_parameters())
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        for ours, names in ((attn.qkv_proj, ("q_proj", "k_proj", "v_proj")), (attn.o_proj, ("o_proj",)),
+                            (mlp.gate_up_proj, ("gate_proj", "up_proj")), (mlp.down_proj, ("down_proj",))):
+            assert ours.weight.dtype == torch.float8_e4m3fn and ours.weight_scale.shape == (ours.out_features,)
+            weight = ours.quant_format.dequantize(ours, 0, ours.out_features, torch.float32)
+            params = [dense[f"model.layers.{i}.{'mlp' if n in MLP else 'self_attn'}.{n}.weight"] for n in names]
+            for param, part in zip(params, weight.split([p.shape[0] for p in params])):
+                assert (part - param).abs().max() <= 2 ** -4 * param.abs().max()  # e4m3: 3 mantissa bits
+                param.data.copy_(part)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, logprobs=0), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outs):
+        ref_ids, ref_logprobs = greedy_generate(reference, prompt, STEPS)
+        assert out.outputs[0].token_ids == ref_ids
+        ours = [step[tok].logprob for step, tok in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+        assert max(abs(a - b) for a, b in zip(ours, ref_logprobs)) < LOGPROB_TOL
+    assert llm.memory_plan.weight_bytes == llm.llm_engine.executor.driver.weight_bytes
+    assert weight_bytes_from_config(load_hf_config(path), torch.float32, "fp8") == \
+        llm.llm_engine.executor.driver.weight_bytes

@@ -5,6 +5,6 @@ checkpoint module's tensors become those parameters (repacked at most, never wid
 the LinearMethod that multiplies by them. config.py reads `quantization_config` as vLLM does and says which
 checkpoint modules each format covers; everything it does not know is refused at load with what is supported.
 """
-from pagedllm.model_executor.quant.config import SUPPORTED_FORMATS, CheckpointQuant, checkpoint_quant
+from pagedllm.model_executor.quant.config import SUPPORTED_FORMATS, CheckpointQuant, checkpoint_quant, planned_quant
 
-__all__ = ["SUPPORTED_FORMATS", "CheckpointQuant", "checkpoint_quant"]
+__all__ = ["SUPPORTED_FORMATS", "CheckpointQuant", "checkpoint_quant", "planned_quant"]

@@ -235,3 +235,15 @@ def convert_checkpoint(weights, quantized: dict[str, LinearFormat], dtype: torch
         missing = sorted(quantized[module].checkpoint_tensors() - parts.keys())
         raise ValueError(f"checkpoint module {module} ({quantized[module].describe()}) lacks {missing} "
                          f"({len(pending)} modules incomplete)")
+
+
+def planned_quant(quantization: str | None) -> CheckpointQuant | None:
+    """What `--quantization` makes of a 16/32-bit checkpoint's decoder Linears (and, in a plan, its experts), as
+    a CheckpointQuant: fp8 at load (per-channel scales), or the checkpoint a plan sizes for int4 (W4A16, groups of
+    128, as GPTQ / AWQ / compressed-tensors ship it) and nvfp4 (ModelOpt). None for int8 (quantization.py) and
+    none."""
+    from pagedllm.model_executor.quant.fp8 import FP8_PER_CHANNEL
+
+    formats = {"fp8": FP8_PER_CHANNEL, "int4": Int4Format("gptq", 128, True), "nvfp4": Nvfp4Format("modelopt")}
+    fmt = formats.get(quantization or "")
+    return None if fmt is None else CheckpointQuant(quantization, (FormatGroup(fmt),))

@@ -11,9 +11,10 @@ not used.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from pagedllm.model_executor.linear import Linear
-from pagedllm.model_executor.quant.base import LinearFormat, ParamSpec
+from pagedllm.model_executor.quant.base import DequantLinearMethod, LinearFormat, ParamSpec
 from pagedllm.utils import cdiv
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -76,3 +77,24 @@ class Fp8Format(LinearFormat):
         values = torch.empty(layer.weight.shape, device=layer.weight.device).normal_(0.0, 1.0, generator=gen)
         layer.weight.copy_(values.to(FP8_DTYPE))
         layer.weight_scale.fill_(0.02)
+
+
+FP8_PER_CHANNEL = Fp8Format()  # --quantization fp8: a 16/32-bit checkpoint's Linears, quantized at load
+
+
+def quantize_linear_fp8(layer: Linear, row_absmax=None) -> None:
+    """Replace `layer`'s weight by fp8 e4m3 values and per-row float32 scales (absmax / 448; `row_absmax`: the
+    whole row's absmax when `layer` holds one tensor-parallel rank's columns of it), as vLLM's `--quantization fp8`
+    makes them at load (vLLM: one scale per tensor; here per output channel, as compressed-tensors' FP8_DYNAMIC
+    checkpoints)."""
+    w = layer.weight.detach().to(torch.float32)
+    absmax = w.abs().amax(dim=1)
+    if row_absmax is not None:
+        absmax = row_absmax(absmax)
+    scale = (absmax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    values = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    layer.weight = nn.Parameter(values, requires_grad=False)
+    layer.weight_scale = nn.Parameter(scale, requires_grad=False)
+    layer.row_blocks = {"weight": 1, "weight_scale": 1}
+    layer.quant_format = FP8_PER_CHANNEL
+    layer.method = DequantLinearMethod(FP8_PER_CHANNEL)
