@@ -21,7 +21,9 @@ from pagedllm.model_executor.moe import GROUPED, FusedMoE
 from pagedllm.model_executor.models.registry import get_model_class
 from pagedllm.model_executor.offload import HostLayer, LayerOffloader, offload_layers, offloaded_layer_indices
 from pagedllm.model_executor.quant.config import checkpoint_quant, convert_checkpoint
+from pagedllm.model_executor.quant.experts import init_dummy_experts
 from pagedllm.model_executor.quant.mxfp4 import MXFP4_EXPERTS, init_dummy_mxfp4
+from pagedllm.model_executor.quant.triton_gemm import triton_gemm
 from pagedllm.model_executor.quantization import quantize_model
 
 logger = logging.getLogger(__name__)
@@ -71,9 +73,11 @@ def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     else:
         _load_safetensors(model, model_config, stored_formats)
     model.eval()
-    if device.type == "cpu":  # the stored formats' CPU products (quant_gemv.cpp)
-        for fmt in {id(f): f for f in stored_formats.values()}.values():
-            fmt.kernels = cpu_kernels()
+    for fmt in {id(f): f for f in stored_formats.values()}.values():  # the stored formats' faster products
+        if device.type == "cpu":
+            fmt.kernels = cpu_kernels()  # quant_gemv.cpp
+        elif device.type == "cuda":
+            fmt.device_gemm = triton_gemm  # dequant-GEMM kernels
     return _place_weights(model, model_config, device, build_device, hosts)
 
 
@@ -193,6 +197,9 @@ def _init_dummy_weights(model: nn.Module, seed: int, device: torch.device) -> No
         for module in model.modules():
             if isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif isinstance(module, FusedMoE) and getattr(module, "quant_format", None) is not None:
+                init_dummy_experts(module, gen)
+                stored.update(id(p) for n, p in module.named_parameters() if not n.endswith("bias"))
             elif getattr(module, "quant_format", None) is not None:
                 module.quant_format.init_dummy(module, gen)
                 stored.update(id(p) for n, p in module.named_parameters() if n != "bias")

@@ -161,8 +161,10 @@ class FusedMoE(nn.Module):
         stacked = "w2" if projection == "down" else "w13"
         target = getattr(self, f"{stacked}_{part}")
         dest = target.data[expert]
-        if projection != "down":
-            dest = dest.narrow(0, 0 if projection == "gate" else self.width, self.width)
+        block = getattr(self, "row_blocks", {}).get(part, 1)  # (quantized experts: quant/experts.py)
+        if projection != "down" and block is not None:  # (None: indexed by input column, gate's and up's alike)
+            rows = self.width // block
+            dest = dest.narrow(0, 0 if projection == "gate" else rows, rows)
         if dest.shape != tensor.shape:
             raise ValueError(f"expert {expert}'s {projection} projection has shape {tuple(tensor.shape)}, the model "
                              f"expects {tuple(dest.shape)}")
@@ -170,7 +172,8 @@ class FusedMoE(nn.Module):
         return f"#{expert}.{projection}{'' if part == 'weight' else '.' + part}"
 
     def expected_parts(self) -> set[str]:
-        parts = [""] + [f".{p}" for p in ("bias", "scale") if getattr(self, f"w13_{p}", None) is not None]
+        stacked = [name[len("w13_"):] for name, _ in self.named_parameters(recurse=False) if name.startswith("w13_")]
+        parts = ["" if name == "weight" else f".{name}" for name in stacked]
         return {f"#{e}.{p}{b}" for e in range(self.num_experts) for p in ("gate", "up", "down") for b in parts}
 
     def extra_repr(self) -> str:
@@ -178,8 +181,8 @@ class FusedMoE(nn.Module):
 
 
 # A checkpoint's per-expert tensor: `<block>.experts.<e>.<projection>.weight` (Qwen3-MoE: gate_proj / up_proj /
-# down_proj; Mixtral: w1 / w3 / w2).
-EXPERT_TENSOR = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.(?P<kind>weight|bias)$")
+# down_proj; Mixtral: w1 / w3 / w2), `.bias`, or a quantized format's parameter (`.weight_scale`, ...).
+EXPERT_TENSOR = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+?)\.(?P<kind>[a-z_]+)$")
 PROJECTIONS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 

@@ -20,8 +20,10 @@ from pagedllm import LLM, SamplingParams, UnsupportedModelError
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.plan import dry_run_plan
 from pagedllm.memory.model_size import weight_bytes_from_config
+from pagedllm.memory.plan import fmt_bytes
 from pagedllm.model_executor.model_files import load_hf_config
 from pagedllm.model_executor.quant.base import DequantLinearMethod
+from pagedllm.model_executor.quant.experts import DequantMoEMethod
 from pagedllm.model_executor.quant.mxfp4 import Mxfp4MoEMethod
 from tests.helpers import make_tiny_model
 from tests.quant_checkpoints import (
@@ -56,7 +58,14 @@ WRITERS = {
     "mxfp4-gpt-oss": ("gpt_oss", lambda s, d: write_mxfp4_gpt_oss(s, d)),
     "modelopt-fp8": ("llama", lambda s, d: write_modelopt(s, d, "FP8")),
     "modelopt-nvfp4": ("qwen3", lambda s, d: write_modelopt(s, d, "NVFP4")),
+    # Mixtures of experts whose experts are stored in the format too (Qwen3-30B-A3B-FP8's layout; Mixtral GPTQ/AWQ).
+    "qwen3-moe-ct-fp8-channel": ("qwen3_moe", lambda s, d: write_compressed_tensors(s, d, "fp8-channel")),
+    "qwen3-moe-fp8-block": ("qwen3_moe", lambda s, d: write_fp8_block(s, d)),
+    "qwen3-moe-ct-w4a16-g32": ("qwen3_moe", lambda s, d: write_compressed_tensors(s, d, "w4a16", group_size=32)),
+    "qwen3-moe-gptq-g64-act-order": ("qwen3_moe", lambda s, d: write_gptq(s, d, group_size=64, desc_act=True)),
+    "mixtral-awq-g64": ("mixtral", lambda s, d: write_awq(s, d, group_size=64)),
 }
+MOE_SHAPE = dict(moe_intermediate_size=128)  # experts in whole 128-row blocks
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +76,7 @@ def checkpoints(tmp_path_factory):
     def get(case: str) -> Path:
         if case not in made:
             arch, write = WRITERS[case]
-            shape = {} if arch == "gpt_oss" else SHAPE
+            shape = {} if arch == "gpt_oss" else {**SHAPE, **(MOE_SHAPE if arch == "qwen3_moe" else {})}
             src = make_tiny_model(root / f"{case}-dense", arch, **shape)
             made[case] = write(src, root / case)
         return made[case]
@@ -78,14 +87,15 @@ def checkpoints(tmp_path_factory):
 def _quantized_methods(llm: LLM) -> set[str]:
     model = llm.llm_engine.executor.driver.model
     return {type(m.method).__name__ for m in model.modules()
-            if isinstance(getattr(m, "method", None), (DequantLinearMethod, Mxfp4MoEMethod))}
+            if isinstance(getattr(m, "method", None), (DequantLinearMethod, Mxfp4MoEMethod, DequantMoEMethod))}
 
 
 @pytest.mark.parametrize("case", list(WRITERS))
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(checkpoints, case):
     path = checkpoints(case)
     llm = LLM(str(path), dtype="float32", max_model_len=128, enable_prefix_caching=False)
-    assert _quantized_methods(llm) == ({"Mxfp4MoEMethod"} if case.startswith("mxfp4") else {"DequantLinearMethod"})
+    expected = {"DequantLinearMethod"} | ({"DequantMoEMethod"} if WRITERS[case][0] in ("qwen3_moe", "mixtral") else set())
+    assert _quantized_methods(llm) == ({"Mxfp4MoEMethod"} if case.startswith("mxfp4") else expected)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, logprobs=0), use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
@@ -155,15 +165,23 @@ def test_plan_counts_the_stored_bytes(tmp_path, case):
     assert abs(headers.weight_bytes - held) <= 0.01 * held, (headers.weight_bytes, held)
 
 
-def test_quantized_experts_other_than_mxfp4_are_refused_by_name(tmp_path):
-    src = make_tiny_model(tmp_path / "dense", "qwen3_moe", hidden_size=128, moe_intermediate_size=128,
-                          intermediate_size=256, head_dim=64)
+def test_quantized_experts_with_dummy_weights_hold_their_format(tmp_path):
+    """Qwen3-MoE from a config alone, as its FP8 (128x128 blocks) checkpoint: every expert's projections hold fp8
+    values and block scales, the plan counts those bytes, and requests complete."""
+    src = make_tiny_model(tmp_path / "dense", "qwen3_moe", **SHAPE, **MOE_SHAPE)
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                  "activation_scheme": "dynamic"}
-    (src / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="experts are fp8 e4m3 weights, 128x128 block scales.*MXFP4"):
-        LLM(str(src), load_format="dummy")
+                                  "activation_scheme": "dynamic", "modules_to_not_convert": ["lm_head", "mlp.gate"]}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    llm = LLM(str(path), load_format="dummy", dtype="bfloat16", max_model_len=64)
+    experts = llm.llm_engine.executor.driver.model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.float8_e4m3fn and tuple(experts.w13_weight_scale.shape) == (8, 2, 1)
+    assert llm.llm_engine.executor.driver.weight_bytes == weight_bytes_from_config(load_hf_config(path),
+                                                                                   torch.bfloat16)
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize("config, message", [
@@ -236,3 +254,26 @@ def test_fp8_at_load_generates_what_transformers_does_on_those_weights(tmp_path)
     assert llm.memory_plan.weight_bytes == llm.llm_engine.executor.driver.weight_bytes
     assert weight_bytes_from_config(load_hf_config(path), torch.float32, "fp8") == \
         llm.llm_engine.executor.driver.weight_bytes
+
+
+@pytest.mark.parametrize("model, fixes", [("llama-3.1-8b", {"int8", "fp8", "int4", "nvfp4"}),
+                                          ("qwen3-30b-a3b", {"int4", "nvfp4"})])
+def test_a_plan_that_does_not_fit_names_the_quantized_variants_that_would(model, fixes):
+    """Llama-3.1-8B (14.96 GiB in bf16) on a 16 GiB GPU: int8 / fp8 made at load, int4 and nvfp4 checkpoints, each
+    with its weights' bytes (int4: 5.31 GiB, as Llama-3.1-8B-Instruct-AWQ-INT4's 5.73 GB); Qwen3-30B-A3B (56.9 GiB) on
+    32 GiB: only checkpoints stored smaller (its experts are not quantized at load)."""
+    memory = {"llama-3.1-8b": "16GiB", "qwen3-30b-a3b": "32GiB"}[model]
+    plan = dry_run_plan(EngineArgs(model=model, max_model_len=8192), device="cuda", device_memory=memory)
+    assert not plan.fits
+    offered = {f.value: f for f in plan.fixes() if f.flag == "--quantization"}
+    assert offered.keys() == fixes
+    for name, fix in offered.items():
+        sized = dry_run_plan(EngineArgs(model=model, max_model_len=8192, quantization=name), device="cuda",
+                             device_memory=memory)
+        assert sized.fits and f"-> {fmt_bytes(sized.weight_bytes)}" in fix.effect
+        assert ("loads as stored" in fix.effect) == (name in ("int4", "nvfp4"))
+    if model == "llama-3.1-8b":
+        int4 = dry_run_plan(EngineArgs(model=model, max_model_len=8192, quantization="int4"), device="cuda",
+                            device_memory=memory)
+        assert abs(int4.weight_bytes / 5.73e9 - 1) < 0.01
+        assert "model weights (bfloat16, as an int4 checkpoint)" in int4.table()

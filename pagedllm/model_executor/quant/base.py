@@ -44,6 +44,9 @@ class LinearFormat:
 
     name = "quantized"
     kernels = None
+    # On CUDA, set at load: (layer, x2d) -> x2d @ W^T by a dequant-GEMM kernel (triton_gemm.py), or None where it
+    # does not take the layer.
+    device_gemm = None
 
     def gemv(self, layer: Linear, x2d: torch.Tensor) -> torch.Tensor | None:
         """x2d @ W^T for a few rows (at most GEMV_MAX_ROWS) read from the stored bytes, or None where this format
@@ -100,6 +103,8 @@ class DequantLinearMethod(LinearMethod):
         if perm is not None:  # the weight's columns are stored in this order (GPTQ act-order)
             x2d = x2d.index_select(1, perm)
         out = self.format.gemv(layer, x2d) if x2d.shape[0] <= GEMV_MAX_ROWS else None
+        if out is None and self.format.device_gemm is not None:
+            out = self.format.device_gemm(layer, x2d)
         if out is None:
             out = self._tiled(layer, x2d)
         if layer.bias is not None:

@@ -21,8 +21,9 @@ from torch import nn
 
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.linear import Linear
-from pagedllm.model_executor.moe import FusedMoE, Router
+from pagedllm.model_executor.moe import PROJECTIONS, FusedMoE, Router
 from pagedllm.model_executor.quant.base import LinearFormat, make_quantized
+from pagedllm.model_executor.quant.experts import make_quantized_experts
 from pagedllm.model_executor.quant.fp8 import Fp8Format
 from pagedllm.model_executor.quant.int4 import Int4Format
 from pagedllm.model_executor.quant.mxfp4 import make_mxfp4_experts
@@ -79,7 +80,7 @@ class CheckpointQuant:
         quantized: dict[str, LinearFormat] = {}
         for name, module in model.named_modules():
             if isinstance(module, FusedMoE):
-                self._prepare_experts(model, name, module)
+                quantized.update(self._prepare_experts(model, name, module))
             elif isinstance(module, Linear) and not isinstance(module, Router) and name.startswith("model.layers."):
                 names = model.checkpoint_names(name)
                 fmt = self.format_of(names)
@@ -88,16 +89,21 @@ class CheckpointQuant:
                     quantized.update(dict.fromkeys(names, fmt))
         return quantized
 
-    def _prepare_experts(self, model: nn.Module, name: str, moe: FusedMoE) -> None:
+    def _prepare_experts(self, model: nn.Module, name: str, moe: FusedMoE) -> dict[str, LinearFormat]:
+        """MXFP4 experts (gpt-oss), or every expert's projections in a Linear format: the checkpoint's per-expert
+        modules (`experts.<e>.gate_proj`, Mixtral's `experts.<e>.w1`, ...) by name."""
         (ckpt,) = model.checkpoint_names(name)
         if any(_matches(ckpt, pattern) for pattern in self.ignore):
-            return
+            return {}
         if self.experts == "mxfp4":
             make_mxfp4_experts(moe)
-        elif any(self._format_of_one(f"{ckpt}.0.{proj}") is not None for proj in ("gate_proj", "w1")):
-            raise UnsupportedModelError(
-                f"this checkpoint's experts are {self.describe()}; pagedllm loads quantized experts in MXFP4 "
-                f"(gpt-oss) only so far. Serve the bf16 checkpoint of this model.")
+            return {}
+        names = [f"{ckpt}.{e}.{proj}" for e in range(moe.num_experts) for proj in PROJECTIONS]
+        fmt = self.format_of(names[:len(PROJECTIONS)])
+        if fmt is None:
+            return {}
+        make_quantized_experts(moe, fmt)
+        return dict.fromkeys(names, fmt)
 
 
 def _matches(name: str, pattern: str) -> bool:
