@@ -73,11 +73,6 @@ def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     else:
         _load_safetensors(model, model_config, stored_formats)
     model.eval()
-    for fmt in {id(f): f for f in stored_formats.values()}.values():  # the stored formats' faster products
-        if device.type == "cpu":
-            fmt.kernels = cpu_kernels()  # quant_gemv.cpp
-        elif device.type == "cuda":
-            fmt.device_gemm = triton_gemm  # dequant-GEMM kernels
     return _place_weights(model, model_config, device, build_device, hosts)
 
 
@@ -102,6 +97,7 @@ def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.de
     implementations (on CPU: native ops, packed weights)."""
     if model_config.quantization is not None:
         quantize_model(model, model_config.quantization)
+    _use_device_products(model, device)
     layers = model.decoder_layers()
     if build_device != device:  # staged in host memory: the offloaded layers' weights stay there
         hosts = {i: HostLayer.build(layers[i]) for i in offloaded_layer_indices(layers, model_config.cpu_offload_bytes)}
@@ -120,6 +116,17 @@ def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.de
                 if module.method is GROUPED:  # (quantized experts keep their format's method)
                     module.method = TRITON_FUSED  # the experts in two fused launches, graph-capturable
     return LoadedModel(model, offloader, packed)
+
+
+def _use_device_products(model: nn.Module, device: torch.device) -> None:
+    """Quantized formats' faster products where the weights live: on a CPU the native kernels (quant_gemv.cpp),
+    on CUDA the Triton dequant-GEMM kernels (quant/triton_gemm.py)."""
+    for fmt in {id(m.quant_format): m.quant_format for m in model.modules()
+                if getattr(m, "quant_format", None) is not None}.values():
+        if device.type == "cpu":
+            fmt.kernels = cpu_kernels()
+        elif device.type == "cuda":
+            fmt.device_gemm = triton_gemm
 
 
 def _move_to(model: nn.Module, device: torch.device, kept: set[int]) -> None:

@@ -10,6 +10,7 @@ import torch
 from pagedllm.model_executor.cpu_isa import cpu_kernels
 from pagedllm.model_executor.linear import Linear
 from pagedllm.model_executor.quant.base import GEMV_MAX_ROWS, DequantLinearMethod, make_quantized
+from pagedllm.model_executor.quant.fp8 import Fp8Format
 from pagedllm.model_executor.quant.int4 import Int4Format
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the native CPU kernels do not build here")
@@ -87,3 +88,31 @@ def test_a_layer_multiplies_through_the_kernels_at_every_batch():
         assert (got - want).norm() < 0.02 * want.norm(), rows
         if rows > GEMV_MAX_ROWS:  # dequantized tiles: the same bf16 weights, the same GEMM
             assert torch.equal(got, want), rows
+
+
+def _fp8_layer(out_features: int, in_features: int, block, seed: int) -> Linear:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        layer = Linear(in_features, out_features, bias=False).to(torch.bfloat16)
+    make_quantized(layer, Fp8Format(block=block))
+    layer.to_empty(device="cpu")
+    codes = torch.randint(0, 256, layer.weight.shape, generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x10  # (no NaN codes: a checkpoint holds none)
+    layer.weight.copy_(codes.view(torch.float8_e4m3fn))
+    layer.weight_scale.copy_(torch.rand(layer.weight_scale.shape, generator=gen) * 1e-3 + 1e-4)
+    return layer
+
+
+@pytest.mark.parametrize("block", [None, (128, 128), (32, 48)])
+def test_fp8_tiles_and_decode_product_equal_the_reference(block):
+    """Every e4m3 code (subnormals included) read exactly: the bf16 tiles bit for bit, the decode product within
+    bf16 rounding of the fp32 product by the same weights (K = 200: a tail of 8 columns past whole 16s)."""
+    layer = _fp8_layer(160, 200, block, seed=5)
+    args = (1, 0) if block is None else block
+    tile = cpu_kernels().fp8_dequantize(layer.weight, layer.weight_scale, *args, 32, 160)
+    assert torch.equal(tile, _reference_weight(layer, torch.bfloat16)[32:160])
+    for rows in (1, 4, 8):
+        x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        got = cpu_kernels().fp8_gemv(x, layer.weight, layer.weight_scale, *args).double()
+        want = x.double() @ _reference_weight(layer, torch.float64).T
+        assert torch.allclose(got, want, rtol=2 ** -8, atol=1e-3 * want.abs().max().item()), rows

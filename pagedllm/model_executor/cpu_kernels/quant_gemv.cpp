@@ -350,3 +350,157 @@ at::Tensor int4_dequantize(const at::Tensor& weight, const at::Tensor& scale, co
   });
   return out;
 }
+
+// ---- fp8 (e4m3) weights: quant/fp8.py's layout, (N, K) bytes with float32 scales per row ((N,)) or per block of
+// bn x bk ((ceil(N / bn), ceil(K / bk))). A byte becomes the float16 of value * 2^-8 by integer ops (e4m3's 4-bit
+// exponent and 3-bit mantissa moved under float16's, subnormals included: exact), then float32 (F16C), and meets
+// float32 x; the 2^8 goes into the scale.
+namespace {
+
+struct Fp8Weight {
+  const uint8_t* w;  // (N, K)
+  const float* s;
+  int64_t n, k, block_n, block_k, scale_cols;  // block_k = k, block_n = 1: one scale per row
+
+  float scale(int64_t row, int64_t g) const { return s[(row / block_n) * scale_cols + g] * 256.f; }
+};
+
+inline float fp8_to_float_over_256(uint8_t b) {
+  return static_cast<float>(c10::Half(static_cast<uint16_t>(((b & 0x7F) << 7) | ((b & 0x80) << 8)),
+                                      c10::Half::from_bits()));
+}
+
+// 16 e4m3 bytes -> 16 floats of value * 2^-8.
+inline f32x16 fp8x16_to_float(const uint8_t* p) {
+#if defined(__AVX512F__)
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(0x3F80));
+  const __m256i sign = _mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16(static_cast<int16_t>(0x8000)));
+  const __m512 v = _mm512_cvtph_ps(_mm256_or_si256(magnitude, sign));
+  f32x16 out;
+  std::memcpy(&out, &v, sizeof out);
+  return out;
+#else
+  float tmp[16];
+  for (int i = 0; i < 16; ++i) tmp[i] = fp8_to_float_over_256(p[i]);
+  return load16(tmp);
+#endif
+}
+
+template <int R, int M>
+void fp8_rows(const Fp8Weight& W, const float* x, int64_t row0, float (*out)[M]) {
+  const int64_t groups = (W.k + W.block_k - 1) / W.block_k;
+  float result[R][M] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c0 = g * W.block_k, c1 = std::min(W.k, c0 + W.block_k);
+    f32x16 acc[R][M] = {};
+    int64_t c = c0;
+    for (; c + 16 <= c1; c += 16) {
+      f32x16 xs[M];
+      for (int m = 0; m < M; ++m) xs[m] = load16(x + m * W.k + c);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = W.w + (row0 + r) * W.k + c;
+        if (c % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + R * W.k), _MM_HINT_T0);
+        const f32x16 wv = fp8x16_to_float(p);
+        for (int m = 0; m < M; ++m) acc[r][m] += wv * xs[m];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float s = W.scale(row0 + r, g);
+      for (int m = 0; m < M; ++m) {
+        float sum = sum16(acc[r][m]);
+        for (int64_t t = c; t < c1; ++t) sum += fp8_to_float_over_256(W.w[(row0 + r) * W.k + t]) * x[m * W.k + t];
+        result[r][m] += s * sum;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[r][m] = result[r][m];
+}
+
+template <int M>
+void fp8_gemv_rows(const Fp8Weight& W, const float* x, c10::BFloat16* y) {
+  constexpr int R = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
+  parallel_chunks((W.n + R - 1) / R, 4, [&](auto next) {
+    int64_t begin, end;
+    float out[R][M];
+    while (next(begin, end)) {
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t row0 = block * R;
+        const int rows = static_cast<int>(std::min<int64_t>(R, W.n - row0));
+        if (rows == R) {
+          fp8_rows<R, M>(W, x, row0, out);
+        } else {
+          for (int r = 0; r < rows; ++r) fp8_rows<1, M>(W, x, row0 + r, &out[r]);
+        }
+        for (int r = 0; r < rows; ++r)
+          for (int m = 0; m < M; ++m) y[m * W.n + row0 + r] = static_cast<c10::BFloat16>(out[r][m]);
+      }
+    }
+  });
+}
+
+Fp8Weight fp8_weight(const at::Tensor& weight, const at::Tensor& scale, int64_t block_n, int64_t block_k) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn && weight.dim() == 2 && weight.is_contiguous(),
+              "fp8 weight must be contiguous (N, K) float8_e4m3fn");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "fp8 scales must be contiguous float32");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  if (block_k <= 0) {
+    TORCH_CHECK(scale.numel() == n, "per-row fp8 scales must be (N,)");
+    return {reinterpret_cast<const uint8_t*>(weight.data_ptr()), scale.data_ptr<float>(), n, k, 1, k, 1};
+  }
+  const int64_t rows = (n + block_n - 1) / block_n, cols = (k + block_k - 1) / block_k;
+  TORCH_CHECK(scale.dim() == 2 && scale.size(0) == rows && scale.size(1) == cols, "fp8 block scales must be "
+              "(ceil(N / bn), ceil(K / bk))");
+  return {reinterpret_cast<const uint8_t*>(weight.data_ptr()), scale.data_ptr<float>(), n, k, block_n, block_k, cols};
+}
+
+}  // namespace
+
+// x: (M, K) bfloat16, 1 <= M <= 8; block_k <= 0: per-row scales. Returns (M, N) bfloat16.
+at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, int64_t block_n,
+                    int64_t block_k) {
+  const Fp8Weight W = fp8_weight(weight, scale, block_n, block_k);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == W.k && x.size(0) >= 1 &&
+              x.size(0) <= kMaxRows, "x must be (M, K) bfloat16 with 1 <= M <= 8");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  at::Tensor y = at::empty({x.size(0), W.n}, x.options());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  switch (x.size(0)) {
+    case 1: fp8_gemv_rows<1>(W, xp, yp); break;
+    case 2: fp8_gemv_rows<2>(W, xp, yp); break;
+    case 3: fp8_gemv_rows<3>(W, xp, yp); break;
+    case 4: fp8_gemv_rows<4>(W, xp, yp); break;
+    case 5: fp8_gemv_rows<5>(W, xp, yp); break;
+    case 6: fp8_gemv_rows<6>(W, xp, yp); break;
+    case 7: fp8_gemv_rows<7>(W, xp, yp); break;
+    default: fp8_gemv_rows<8>(W, xp, yp); break;
+  }
+  return y;
+}
+
+// Rows start:end of an fp8 weight dequantized to bfloat16: round(value * scale), as the reference does.
+at::Tensor fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, int64_t block_n, int64_t block_k,
+                          int64_t start, int64_t end) {
+  const Fp8Weight W = fp8_weight(weight, scale, block_n, block_k);
+  TORCH_CHECK(0 <= start && start <= end && end <= W.n, "rows out of range");
+  at::Tensor out = at::empty({end - start, W.k}, weight.options().dtype(at::kBFloat16));
+  auto* o = out.data_ptr<c10::BFloat16>();
+  parallel_chunks(end - start, 8, [&](auto next) {
+    int64_t begin, stop;
+    while (next(begin, stop)) {
+      for (int64_t r = begin; r < stop; ++r) {
+        const int64_t row = start + r;
+        for (int64_t c0 = 0; c0 < W.k; c0 += W.block_k) {
+          const int64_t c1 = std::min(W.k, c0 + W.block_k);
+          const float s = W.scale(row, c0 / W.block_k);
+          int64_t c = c0;
+          for (; c + 16 <= c1; c += 16) store16(o + r * W.k + c, fp8x16_to_float(W.w + row * W.k + c) * s);
+          for (; c < c1; ++c) o[r * W.k + c] = static_cast<c10::BFloat16>(fp8_to_float_over_256(W.w[row * W.k + c]) * s);
+        }
+      }
+    }
+  });
+  return out;
+}

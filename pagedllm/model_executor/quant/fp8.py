@@ -64,7 +64,21 @@ class Fp8Format(LinearFormat):
         tile = super().row_tile(in_features)
         return tile if self.block is None else max(self.block[0], tile // self.block[0] * self.block[0])
 
+    def _kernel_args(self, layer: Linear, dtype: torch.dtype) -> tuple[int, int] | None:
+        """(block rows, block columns; 0: per-row scales) for quant_gemv.cpp's fp8 product, which takes bf16 on a
+        CPU; None where it does not apply."""
+        if self.kernels is None or dtype != torch.bfloat16 or layer.weight.device.type != "cpu":
+            return None
+        return (1, 0) if self.block is None else self.block
+
+    def gemv(self, layer: Linear, x2d: torch.Tensor) -> torch.Tensor | None:
+        args = self._kernel_args(layer, x2d.dtype)
+        return None if args is None else self.kernels.fp8_gemv(x2d, layer.weight, layer.weight_scale, *args)
+
     def dequantize(self, layer: Linear, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        args = self._kernel_args(layer, dtype)
+        if args is not None:
+            return self.kernels.fp8_dequantize(layer.weight, layer.weight_scale, *args, start, end)
         w = layer.weight[start:end].to(torch.float32)
         if self.block is None:
             return (w * layer.weight_scale[start:end, None]).to(dtype)
