@@ -75,8 +75,10 @@ def preset_names() -> list[str]:
 
 
 def preset_config(name: str) -> Path | None:
-    """config.json shapes of common models shipped with pagedllm ("llama-3.2-3b", "Qwen/Qwen2.5-0.5B")."""
-    stem = name.rsplit("/", 1)[-1].lower().removesuffix("-instruct")
+    """config.json shapes of common models shipped with pagedllm ("llama-3.2-3b", "Qwen/Qwen2.5-0.5B"), quantized
+    checkpoints' included ("Qwen/Qwen3-8B-FP8", "nvidia/Llama-3.1-8B-Instruct-FP8", "Qwen/Qwen2.5-7B-Instruct-AWQ");
+    "-Instruct" and a "Meta-" prefix are not part of the shape's name."""
+    stem = name.rsplit("/", 1)[-1].lower().replace("-instruct", "").removeprefix("meta-")
     path = PRESETS_DIR / f"{stem}.json"
     return path if path.is_file() else None
 

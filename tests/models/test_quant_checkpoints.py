@@ -277,3 +277,15 @@ def test_a_plan_that_does_not_fit_names_the_quantized_variants_that_would(model,
                             device_memory=memory)
         assert abs(int4.weight_bytes / 5.73e9 - 1) < 0.01
         assert "model weights (bfloat16, as an int4 checkpoint)" in int4.table()
+
+
+@pytest.mark.parametrize("name, published_bytes", [
+    ("openai/gpt-oss-20b", 13.76e9),  # model-0000{0,1,2}-of-00002.safetensors
+    ("hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4", 5.73e9),
+    ("nvidia/Llama-3.1-8B-Instruct-FP8", 9.08e9),
+])
+def test_built_in_shapes_of_quantized_checkpoints_plan_their_download_size(name, published_bytes):
+    """The hub names of common quantized checkpoints resolve to built-in shapes, whose planned weights are their
+    published safetensors' size within 2%."""
+    plan = dry_run_plan(EngineArgs(model=name, max_model_len=4096), device="cuda", device_memory="80GiB")
+    assert plan.model.stored_format and abs(plan.weight_bytes / published_bytes - 1) < 0.02
