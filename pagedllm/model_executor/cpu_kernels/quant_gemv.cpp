@@ -387,6 +387,52 @@ inline f32x16 fp8x16_to_float(const uint8_t* p) {
 #endif
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// With AVX512-BF16: a byte sign-extended to 16 bits and shifted left by 4 is, masked with 0x87F0, the bfloat16 of
+// value * 2^-120 (e4m3's exponent and mantissa under bfloat16's, the sign on top): exact for every normal value and
+// zero; a subnormal e4m3 (|value| < 2^-6, under 1/28000 of the format's range) becomes a bfloat16 denormal, which
+// vdpbf16ps reads as zero. 32 of them per vdpbf16ps against x in bfloat16; the 2^120 goes into the scale.
+template <int R, int M>
+void fp8_rows_bf16dot(const Fp8Weight& W, const c10::BFloat16* x, int64_t row0, float (*out)[M]) {
+  const int64_t groups = (W.k + W.block_k - 1) / W.block_k;
+  const __m512i mask = _mm512_set1_epi16(static_cast<int16_t>(0x87F0));
+  const float unscale = 0x1p120f;
+  float result[R][M] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t c0 = g * W.block_k, c1 = std::min(W.k, c0 + W.block_k);
+    __m512 acc[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+    int64_t c = c0;
+    for (; c + 32 <= c1; c += 32) {
+      __m512bh xs[M];
+      for (int m = 0; m < M; ++m) xs[m] = (__m512bh)_mm512_loadu_si512(x + m * W.k + c);
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = W.w + (row0 + r) * W.k + c;
+        if (c % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + R * W.k), _MM_HINT_T0);
+        const __m512i wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        const __m512bh wv = (__m512bh)_mm512_and_si512(_mm512_slli_epi16(wide, 4), mask);
+        for (int m = 0; m < M; ++m) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], wv, xs[m]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float s = W.scale(row0 + r, g) / 256.f;  // (W.scale carries the float16 path's 2^8)
+      for (int m = 0; m < M; ++m) {
+        float tail = 0.f;  // (a K not in whole 32s: the exact float16 route)
+        for (int64_t t = c; t < c1; ++t)
+          tail += fp8_to_float_over_256(W.w[(row0 + r) * W.k + t]) * 256.f * static_cast<float>(x[m * W.k + t]);
+        result[r][m] += s * (_mm512_reduce_add_ps(acc[r][m]) * unscale + tail);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[r][m] = result[r][m];
+}
+constexpr bool kFp8Bf16Dot = true;
+#else
+constexpr bool kFp8Bf16Dot = false;
+#endif
+
 template <int R, int M>
 void fp8_rows(const Fp8Weight& W, const float* x, int64_t row0, float (*out)[M]) {
   const int64_t groups = (W.k + W.block_k - 1) / W.block_k;
@@ -418,8 +464,17 @@ void fp8_rows(const Fp8Weight& W, const float* x, int64_t row0, float (*out)[M])
     for (int m = 0; m < M; ++m) out[r][m] = result[r][m];
 }
 
+// R rows from row0: the bf16 dot products where the CPU has them, else float32 (x in both forms).
+template <int R, int M>
+void fp8_block(const Fp8Weight& W, const float* x, const c10::BFloat16* x16, int64_t row0, float (*out)[M]) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  return fp8_rows_bf16dot<R, M>(W, x16, row0, out);
+#endif
+  fp8_rows<R, M>(W, x, row0, out);
+}
+
 template <int M>
-void fp8_gemv_rows(const Fp8Weight& W, const float* x, c10::BFloat16* y) {
+void fp8_gemv_rows(const Fp8Weight& W, const float* x, const c10::BFloat16* x16, c10::BFloat16* y) {
   constexpr int R = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
   parallel_chunks((W.n + R - 1) / R, 4, [&](auto next) {
     int64_t begin, end;
@@ -429,9 +484,9 @@ void fp8_gemv_rows(const Fp8Weight& W, const float* x, c10::BFloat16* y) {
         const int64_t row0 = block * R;
         const int rows = static_cast<int>(std::min<int64_t>(R, W.n - row0));
         if (rows == R) {
-          fp8_rows<R, M>(W, x, row0, out);
+          fp8_block<R, M>(W, x, x16, row0, out);
         } else {
-          for (int r = 0; r < rows; ++r) fp8_rows<1, M>(W, x, row0 + r, &out[r]);
+          for (int r = 0; r < rows; ++r) fp8_block<1, M>(W, x, x16, row0 + r, &out[r]);
         }
         for (int r = 0; r < rows; ++r)
           for (int m = 0; m < M; ++m) y[m * W.n + row0 + r] = static_cast<c10::BFloat16>(out[r][m]);
@@ -463,22 +518,27 @@ at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   const Fp8Weight W = fp8_weight(weight, scale, block_n, block_k);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == W.k && x.size(0) >= 1 &&
               x.size(0) <= kMaxRows, "x must be (M, K) bfloat16 with 1 <= M <= 8");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
+  const at::Tensor x16 = x.contiguous();
+  const at::Tensor xf = kFp8Bf16Dot ? x16 : x.to(at::kFloat).contiguous();  // (float32 x: the float32 route's)
+  const float* xp = kFp8Bf16Dot ? nullptr : xf.data_ptr<float>();
+  const auto* xb = x16.data_ptr<c10::BFloat16>();
   at::Tensor y = at::empty({x.size(0), W.n}, x.options());
   auto* yp = y.data_ptr<c10::BFloat16>();
   switch (x.size(0)) {
-    case 1: fp8_gemv_rows<1>(W, xp, yp); break;
-    case 2: fp8_gemv_rows<2>(W, xp, yp); break;
-    case 3: fp8_gemv_rows<3>(W, xp, yp); break;
-    case 4: fp8_gemv_rows<4>(W, xp, yp); break;
-    case 5: fp8_gemv_rows<5>(W, xp, yp); break;
-    case 6: fp8_gemv_rows<6>(W, xp, yp); break;
-    case 7: fp8_gemv_rows<7>(W, xp, yp); break;
-    default: fp8_gemv_rows<8>(W, xp, yp); break;
+    case 1: fp8_gemv_rows<1>(W, xp, xb, yp); break;
+    case 2: fp8_gemv_rows<2>(W, xp, xb, yp); break;
+    case 3: fp8_gemv_rows<3>(W, xp, xb, yp); break;
+    case 4: fp8_gemv_rows<4>(W, xp, xb, yp); break;
+    case 5: fp8_gemv_rows<5>(W, xp, xb, yp); break;
+    case 6: fp8_gemv_rows<6>(W, xp, xb, yp); break;
+    case 7: fp8_gemv_rows<7>(W, xp, xb, yp); break;
+    default: fp8_gemv_rows<8>(W, xp, xb, yp); break;
   }
   return y;
 }
+
+// Which fp8_gemv product this build runs: "bf16dot" (subnormal e4m3 read as zero) or "float" (exact).
+std::string fp8_gemv_path() { return kFp8Bf16Dot ? "bf16dot" : "float"; }
 
 // Rows start:end of an fp8 weight dequantized to bfloat16: round(value * scale), as the reference does.
 at::Tensor fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, int64_t block_n, int64_t block_k,
