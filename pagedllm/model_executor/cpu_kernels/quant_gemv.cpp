@@ -22,6 +22,33 @@ constexpr int kMaxRows = 8;
 // for the next block's rows; the int4 products prefetch the next block's rows: 825 us against 873 us).
 constexpr int64_t kPrefetchAhead = 1024;
 
+// Weight rows a decode product streams side by side for M inputs: R x M accumulators, each x chunk loaded once.
+constexpr int rows_at_once(int m) { return m == 1 ? 8 : m == 2 ? 4 : m <= 4 ? 2 : 1; }
+
+// y (M, n) in bfloat16 from the products of every block of rows_at_once(M) rows, on every thread: full(row0, out)
+// fills out[R][M] for rows row0..row0+R-1; one(row, out) a single row (the last ones, fewer than R).
+template <int M, typename Full, typename One>
+void for_row_blocks(int64_t n, c10::BFloat16* y, const Full& full, const One& one) {
+  constexpr int R = rows_at_once(M);
+  parallel_chunks((n + R - 1) / R, 4, [&](auto next) {
+    int64_t begin, end;
+    float out[R][M];
+    while (next(begin, end)) {
+      for (int64_t block = begin; block < end; ++block) {
+        const int64_t row0 = block * R;
+        const int rows = static_cast<int>(std::min<int64_t>(R, n - row0));
+        if (rows == R) {
+          full(row0, out);
+        } else {
+          for (int r = 0; r < rows; ++r) one(row0 + r, &out[r]);
+        }
+        for (int r = 0; r < rows; ++r)
+          for (int m = 0; m < M; ++m) y[m * n + row0 + r] = static_cast<c10::BFloat16>(out[r][m]);
+      }
+    }
+  });
+}
+
 struct Int4Weight {
   const uint8_t* w;         // (N, K / 2)
   const c10::BFloat16* s;   // (N, groups)
@@ -242,24 +269,8 @@ void int4_block(const Int4Weight& W, const SplitInput& in, Int4Path path, int64_
 
 template <int M>
 void int4_gemv_rows(const Int4Weight& W, const SplitInput& in, Int4Path path, c10::BFloat16* y) {
-  constexpr int R = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;  // rows at once: R x M accumulators, each x chunk loaded once
-  parallel_chunks((W.n + R - 1) / R, 4, [&](auto next) {
-    int64_t begin, end;
-    float out[R][M];
-    while (next(begin, end)) {
-      for (int64_t block = begin; block < end; ++block) {
-        const int64_t row0 = block * R;
-        const int rows = static_cast<int>(std::min<int64_t>(R, W.n - row0));
-        if (rows == R) {
-          int4_block<R, M>(W, in, path, row0, out);
-        } else {
-          for (int r = 0; r < rows; ++r) int4_block<1, M>(W, in, path, row0 + r, &out[r]);
-        }
-        for (int r = 0; r < rows; ++r)
-          for (int m = 0; m < M; ++m) y[m * W.n + row0 + r] = static_cast<c10::BFloat16>(out[r][m]);
-      }
-    }
-  });
+  for_row_blocks<M>(W.n, y, [&](int64_t row0, float (*out)[M]) { int4_block<rows_at_once(M), M>(W, in, path, row0, out); },
+                    [&](int64_t row, float (*out)[M]) { int4_block<1, M>(W, in, path, row, out); });
 }
 
 Int4Weight int4_weight(const at::Tensor& weight, const at::Tensor& scale, const c10::optional<at::Tensor>& zero) {
@@ -478,24 +489,8 @@ void fp8_block(const Fp8Weight& W, const float* x, const c10::BFloat16* x16, int
 
 template <int M>
 void fp8_gemv_rows(const Fp8Weight& W, const float* x, const c10::BFloat16* x16, c10::BFloat16* y) {
-  constexpr int R = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
-  parallel_chunks((W.n + R - 1) / R, 4, [&](auto next) {
-    int64_t begin, end;
-    float out[R][M];
-    while (next(begin, end)) {
-      for (int64_t block = begin; block < end; ++block) {
-        const int64_t row0 = block * R;
-        const int rows = static_cast<int>(std::min<int64_t>(R, W.n - row0));
-        if (rows == R) {
-          fp8_block<R, M>(W, x, x16, row0, out);
-        } else {
-          for (int r = 0; r < rows; ++r) fp8_block<1, M>(W, x, x16, row0 + r, &out[r]);
-        }
-        for (int r = 0; r < rows; ++r)
-          for (int m = 0; m < M; ++m) y[m * W.n + row0 + r] = static_cast<c10::BFloat16>(out[r][m]);
-      }
-    }
-  });
+  for_row_blocks<M>(W.n, y, [&](int64_t row0, float (*out)[M]) { fp8_block<rows_at_once(M), M>(W, x, x16, row0, out); },
+                    [&](int64_t row, float (*out)[M]) { fp8_block<1, M>(W, x, x16, row, out); });
 }
 
 Fp8Weight fp8_weight(const at::Tensor& weight, const at::Tensor& scale, int64_t block_n, int64_t block_k) {
