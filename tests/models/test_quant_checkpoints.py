@@ -209,7 +209,7 @@ def test_gpt_oss_20b_layer_shape_runs_in_mxfp4_with_dummy_weights(tmp_path):
     cfg.update(num_hidden_layers=2, layer_types=cfg["layer_types"][:2], num_local_experts=4, vocab_size=1024)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    llm = LLM(str(path), load_format="dummy", dtype="bfloat16", max_model_len=256)
+    llm = LLM(str(path), load_format="dummy", dtype="bfloat16", max_model_len=256, max_num_batched_tokens=256)
     experts = llm.llm_engine.executor.driver.model.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == torch.uint8 and tuple(experts.w13_weight.shape) == (4, 2 * 2880, 2880 // 2)
     assert tuple(experts.w2_scale.shape) == (4, 2880, 2880 // 32) and isinstance(experts.method, Mxfp4MoEMethod)
