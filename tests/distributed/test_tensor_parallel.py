@@ -49,10 +49,10 @@ def test_two_ranks_generate_what_one_does(tiny_models, arch):
     assert outputs[1][0] == hf_tokens
 
 
-@pytest.mark.parametrize("settings", [{"kv_cache_dtype": "fp8"}, {"quantization": "int8"}])
-def test_an_fp8_cache_and_int8_weights_split_too(tiny_models, settings):
+@pytest.mark.parametrize("settings", [{"kv_cache_dtype": "fp8"}, {"quantization": "int8"}, {"quantization": "fp8"}])
+def test_an_fp8_cache_and_int8_or_fp8_weights_split_too(tiny_models, settings):
     """Each rank quantizes its own shard, a row-parallel one with the whole row's scale (the ranks agree on
-    it): the same int8 weights as one rank's; the fp8 cache's heads are split as they are."""
+    it): the same int8 / fp8 weights as one rank's; the fp8 cache's heads are split as they are."""
     path = str(tiny_models["mistral"])
     with LLM(path, **ENGINE, **settings) as one:
         reference = _outputs(one, PROMPTS[:2])

@@ -15,12 +15,29 @@
 // - any CPU: the nibbles widen to float32 and meet float32 x.
 #include "common.h"
 
+#include <type_traits>
+
 namespace {
 
 constexpr int kMaxRows = 8;
 // Bytes ahead in the same weight row the fp8 products prefetch (A/B at 14336x4096 here: 1460 us against 1623 us
 // for the next block's rows; the int4 products prefetch the next block's rows: 825 us against 873 us).
 constexpr int64_t kPrefetchAhead = 1024;
+
+// f(std::integral_constant<int, m>) for 1 <= m <= kMaxRows: a decode product's input rows as a template argument.
+template <typename F>
+void with_rows(int64_t m, const F& f) {
+  switch (m) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
 
 // Weight rows a decode product streams side by side for M inputs: R x M accumulators, each x chunk loaded once.
 constexpr int rows_at_once(int m) { return m == 1 ? 8 : m == 2 ? 4 : m <= 4 ? 2 : 1; }
@@ -304,16 +321,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Te
   const SplitInput in(xc.data_ptr<c10::BFloat16>(), x.size(0), W.k, W.group, path == Int4Path::kVnni);
   at::Tensor y = at::empty({x.size(0), W.n}, x.options());
   auto* yp = y.data_ptr<c10::BFloat16>();
-  switch (x.size(0)) {
-    case 1: int4_gemv_rows<1>(W, in, path, yp); break;
-    case 2: int4_gemv_rows<2>(W, in, path, yp); break;
-    case 3: int4_gemv_rows<3>(W, in, path, yp); break;
-    case 4: int4_gemv_rows<4>(W, in, path, yp); break;
-    case 5: int4_gemv_rows<5>(W, in, path, yp); break;
-    case 6: int4_gemv_rows<6>(W, in, path, yp); break;
-    case 7: int4_gemv_rows<7>(W, in, path, yp); break;
-    default: int4_gemv_rows<8>(W, in, path, yp); break;
-  }
+  with_rows(x.size(0), [&](auto rows) { int4_gemv_rows<decltype(rows)::value>(W, in, path, yp); });
   return y;
 }
 
@@ -522,16 +530,7 @@ at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   const auto* xb = x16.data_ptr<c10::BFloat16>();
   at::Tensor y = at::empty({x.size(0), W.n}, x.options());
   auto* yp = y.data_ptr<c10::BFloat16>();
-  switch (x.size(0)) {
-    case 1: fp8_gemv_rows<1>(W, xp, xb, yp); break;
-    case 2: fp8_gemv_rows<2>(W, xp, xb, yp); break;
-    case 3: fp8_gemv_rows<3>(W, xp, xb, yp); break;
-    case 4: fp8_gemv_rows<4>(W, xp, xb, yp); break;
-    case 5: fp8_gemv_rows<5>(W, xp, xb, yp); break;
-    case 6: fp8_gemv_rows<6>(W, xp, xb, yp); break;
-    case 7: fp8_gemv_rows<7>(W, xp, xb, yp); break;
-    default: fp8_gemv_rows<8>(W, xp, xb, yp); break;
-  }
+  with_rows(x.size(0), [&](auto rows) { fp8_gemv_rows<decltype(rows)::value>(W, xp, xb, yp); });
   return y;
 }
 
