@@ -69,7 +69,8 @@ def dry_run_plan(args: EngineArgs, device: str = "auto", device_memory: str | No
         raise ValueError(f"--quantization {planned} sizes a 16/32-bit model's checkpoint stored in {planned}; this "
                          f"checkpoint is already quantized.")
     settings = settings_from(config)
-    settings = replace(settings, tensor_parallel_size=tensor_parallel_size, quantization=planned or settings.quantization,
+    settings = replace(settings, tensor_parallel_size=tensor_parallel_size,
+                       quantization=planned or settings.quantization,
                        max_model_len=None if config.model.max_model_len_auto else settings.max_model_len)
     files = weight_files(config.model.path) if config.model.load_format != "dummy" else []
     model = dry_run_model_facts(config.model.hf_config, files, config.model.model_max_len, device)

@@ -139,7 +139,8 @@ def _stored_bytes_saved(cfg, dtype: torch.dtype, stored, index: int) -> int:
         if stored.experts == "mxfp4":
             saved += mxfp4_expert_bytes(e, h, w) - e * 3 * h * w * dtype.itemsize
         elif fmt is not None:  # (a plan's int4 / fp8 / nvfp4 checkpoint quantizes the experts too)
-            saved += e * (fmt.weight_bytes(2 * w, h, dtype) + fmt.weight_bytes(h, w, dtype) - 3 * h * w * dtype.itemsize)
+            held = fmt.weight_bytes(2 * w, h, dtype) + fmt.weight_bytes(h, w, dtype)
+            saved += e * (held - 3 * h * w * dtype.itemsize)
     return saved
 
 

@@ -536,7 +536,8 @@ class MemoryPlan:
             candidates.append(("--kv-cache-dtype", "fp8", self.with_settings(kv_cache_dtype="fp8")))
         if s.quantization is None and not self.model.stored_format:
             # Quantized at load (dense models), then the checkpoints stored smaller (their own download).
-            formats = PLANNED_CHECKPOINT_FORMATS if self.model.experts else QUANTIZE_AT_LOAD + PLANNED_CHECKPOINT_FORMATS
+            formats = PLANNED_CHECKPOINT_FORMATS if self.model.experts \
+                else QUANTIZE_AT_LOAD + PLANNED_CHECKPOINT_FORMATS
             candidates += [("--quantization", q, self.with_settings(quantization=q)) for q in formats]
         offload = self._cpu_offload_fix()
         if offload is not None:

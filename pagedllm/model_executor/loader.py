@@ -121,6 +121,8 @@ def _place_weights(model: nn.Module, model_config: ModelConfig, device: torch.de
 def _use_device_products(model: nn.Module, device: torch.device) -> None:
     """Quantized formats' faster products where the weights live: on a CPU the native kernels (quant_gemv.cpp),
     on CUDA the Triton dequant-GEMM kernels (quant/triton_gemm.py)."""
+    if device.type == "cpu" and any(getattr(m, "method", None) is MXFP4_EXPERTS for m in model.modules()):
+        MXFP4_EXPERTS.kernels = cpu_kernels()  # (gpt-oss' experts: quant_gemv.cpp's mxfp4_gemv)
     for fmt in {id(m.quant_format): m.quant_format for m in model.modules()
                 if getattr(m, "quant_format", None) is not None}.values():
         if device.type == "cpu":

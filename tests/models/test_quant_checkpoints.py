@@ -94,7 +94,8 @@ def _quantized_methods(llm: LLM) -> set[str]:
 def test_greedy_tokens_equal_transformers_on_the_dequantized_weights(checkpoints, case):
     path = checkpoints(case)
     llm = LLM(str(path), dtype="float32", max_model_len=128, enable_prefix_caching=False)
-    expected = {"DequantLinearMethod"} | ({"DequantMoEMethod"} if WRITERS[case][0] in ("qwen3_moe", "mixtral") else set())
+    moe = WRITERS[case][0] in ("qwen3_moe", "mixtral")
+    expected = {"DequantLinearMethod"} | ({"DequantMoEMethod"} if moe else set())
     assert _quantized_methods(llm) == ({"Mxfp4MoEMethod"} if case.startswith("mxfp4") else expected)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True, logprobs=0), use_tqdm=False)
@@ -199,9 +200,9 @@ def test_formats_not_loaded_are_refused_with_what_is(tmp_path, config, message):
 
 
 def test_gpt_oss_20b_layer_shape_runs_in_mxfp4_with_dummy_weights(tmp_path):
-    """The built-in gpt-oss-20b config (MXFP4 experts as shipped) with 2 of its 24 layers, 4 of its 32 experts (its top 4) and a
-    small vocabulary (CI's memory): each layer's experts hold the MXFP4 bytes the plan counts, and requests
-    complete."""
+    """The built-in gpt-oss-20b config (MXFP4 experts as shipped) with 2 of its 24 layers, 4 of its 32 experts (its
+    top 4) and a small vocabulary (CI's memory): each layer's experts hold the MXFP4 bytes the plan counts, and
+    requests complete."""
     from pagedllm.model_executor.model_files import resolve_model_path
 
     cfg = json.loads(resolve_model_path("gpt-oss-20b").read_text())

@@ -12,6 +12,7 @@ from pagedllm.model_executor.linear import Linear
 from pagedllm.model_executor.quant.base import GEMV_MAX_ROWS, DequantLinearMethod, make_quantized
 from pagedllm.model_executor.quant.fp8 import Fp8Format
 from pagedllm.model_executor.quant.int4 import Int4Format
+from pagedllm.model_executor.quant.mxfp4 import dequantize_mxfp4
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the native CPU kernels do not build here")
 
@@ -117,3 +118,17 @@ def test_fp8_tiles_and_decode_product_equal_the_reference(block):
         got = cpu_kernels().fp8_gemv(x, layer.weight, layer.weight_scale, *args).double()
         want = x.double() @ _reference_weight(layer, torch.float64).T
         assert torch.allclose(got, want, rtol=2 ** -8, atol=1e-3 * want.abs().max().item()), rows
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("n, k", [(96, 256), (40, 96)])  # (K = 96: blocks of 32 bytes and a last block of 16)
+def test_mxfp4_decode_product_equals_the_fp32_product_within_bf16_rounding(rows, n, k):
+    """gpt-oss' experts read as stored (E2M1 codes and E8M0 scales per 32): within one bf16 rounding of the output
+    of the fp32 product by the dequantized weights (quant/mxfp4.py's reference)."""
+    gen = torch.Generator().manual_seed(rows)
+    blocks = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(120, 130, (n, k // 32), generator=gen, dtype=torch.uint8)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    got = cpu_kernels().mxfp4_gemv(x, blocks, scales).double()
+    want = x.double() @ dequantize_mxfp4(blocks, scales, torch.float64).T
+    assert torch.allclose(got, want, rtol=2 ** -8, atol=1e-3 * want.abs().max().item())

@@ -561,3 +561,109 @@ at::Tensor fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, int
   });
   return out;
 }
+
+// ---- MXFP4 (gpt-oss' experts: quant/mxfp4.py): (N, K / 2) bytes of E2M1 codes, the low nibble first, and (N, K / 32)
+// E8M0 scale bytes, 2^(byte - 127) per 32 values. Decode products read them as stored: x's even and odd columns
+// apart (as int4's), each code's value from a 16-entry table, summed per block of 32 and scaled.
+namespace {
+
+constexpr float kE2M1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+inline float e8m0(uint8_t byte) { return std::ldexp(1.f, static_cast<int>(byte) - 127); }
+
+// One row against M inputs: 16 bytes (one block of 32 values) at a time.
+template <int M>
+void mxfp4_row(const uint8_t* w, const uint8_t* s, const float* even, const float* odd, int64_t half, float* out) {
+  float result[M] = {};
+  for (int64_t c = 0, block = 0; c < half; c += 16, ++block) {
+    float lo[16], hi[16];
+    for (int i = 0; i < 16; ++i) lo[i] = kE2M1[w[c + i] & 0xF], hi[i] = kE2M1[w[c + i] >> 4];
+    const f32x16 l = load16(lo), h = load16(hi);
+    const float scale = e8m0(s[block]);
+    for (int m = 0; m < M; ++m) result[m] += scale * sum16(l * load16(even + m * half + c) + h * load16(odd + m * half + c));
+  }
+  for (int m = 0; m < M; ++m) out[m] = result[m];
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool kMxfp4Bf16Dot = true;
+// R rows with AVX512-BF16: 32 bytes (two blocks) at a time; the codes' bfloat16 values from a 32-word table
+// (vpermw), their products with x's even / odd columns by vdpbf16ps into a fresh accumulator whose lanes 0-7 hold
+// the first block's sums and 8-15 the second's, then scaled per lane into the total.
+template <int R, int M>
+void mxfp4_rows_bf16dot(const uint8_t* w, const uint8_t* s, const c10::BFloat16* even, const c10::BFloat16* odd,
+                        int64_t half, int64_t row0, float (*out)[M]) {
+  alignas(64) uint16_t table[32];
+  for (int i = 0; i < 32; ++i) table[i] = c10::BFloat16(kE2M1[i % 16]).x;
+  const __m512i values = _mm512_load_si512(table), low_mask = _mm512_set1_epi16(0x0F);
+  const int64_t blocks = half / 16;
+  __m512 total[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) total[r][m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < half; c += 32) {
+    __m512bh xe[M], xo[M];
+    for (int m = 0; m < M; ++m) {
+      xe[m] = (__m512bh)_mm512_loadu_si512(even + m * half + c);
+      xo[m] = (__m512bh)_mm512_loadu_si512(odd + m * half + c);
+    }
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* p = w + (row0 + r) * half + c;
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchAhead), _MM_HINT_T0);
+      const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(codes, low_mask), values);
+      const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(codes, 4), values);
+      const uint8_t* sb = s + (row0 + r) * blocks + c / 16;
+      const __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(e8m0(sb[0])), _mm512_set1_ps(e8m0(sb[1])));
+      for (int m = 0; m < M; ++m) {
+        const __m512 sums = _mm512_dpbf16_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), lo, xe[m]), hi, xo[m]);
+        total[r][m] = _mm512_fmadd_ps(sums, scale, total[r][m]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) out[r][m] = _mm512_reduce_add_ps(total[r][m]);
+}
+#else
+constexpr bool kMxfp4Bf16Dot = false;
+#endif
+
+}  // namespace
+
+// x: (M, K) bfloat16, 1 <= M <= 8; blocks (N, K / 2) and scales (N, K / 32) uint8. Returns (M, N) bfloat16.
+at::Tensor mxfp4_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+              scales.scalar_type() == at::kByte && scales.dim() == 2 && scales.is_contiguous() &&
+              scales.size(0) == blocks.size(0) && blocks.size(1) == scales.size(1) * 16,
+              "MXFP4 weights must be contiguous (N, K / 2) codes and (N, K / 32) scales, uint8");
+  const int64_t n = blocks.size(0), k = blocks.size(1) * 2, half = k / 2;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == k && x.size(0) >= 1 &&
+              x.size(0) <= kMaxRows, "x must be (M, K) bfloat16 with 1 <= M <= 8");
+  const at::Tensor xc = x.contiguous();
+  const SplitInput in(xc.data_ptr<c10::BFloat16>(), x.size(0), k, 32, false);
+  const auto* w = blocks.data_ptr<uint8_t>();
+  const auto* s = scales.data_ptr<uint8_t>();
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  const bool bf16dot = kMxfp4Bf16Dot && half % 32 == 0;
+  with_rows(x.size(0), [&](auto rows) {
+    constexpr int M = decltype(rows)::value;
+    auto one = [&](int64_t row, float (*out)[M]) {
+      mxfp4_row<M>(w + row * half, s + row * (half / 16), in.even.data(), in.odd.data(), half, out[0]);
+    };
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (bf16dot) {
+      for_row_blocks<M>(n, yp, [&](int64_t row0, float (*out)[M]) {
+        mxfp4_rows_bf16dot<rows_at_once(M), M>(w, s, in.even_bf16.data(), in.odd_bf16.data(), half, row0, out);
+      }, [&](int64_t row, float (*out)[M]) {
+        mxfp4_rows_bf16dot<1, M>(w, s, in.even_bf16.data(), in.odd_bf16.data(), half, row, out);
+      });
+      return;
+    }
+#endif
+    for_row_blocks<M>(n, yp, [&](int64_t row0, float (*out)[M]) {
+      for (int r = 0; r < rows_at_once(M); ++r) one(row0 + r, &out[r]);
+    }, one);
+  });
+  (void)bf16dot;
+  return y;
+}

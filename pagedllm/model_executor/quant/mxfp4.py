@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.model_executor.moe import FusedMoE, MoEMethod
+from pagedllm.model_executor.quant.base import GEMV_MAX_ROWS
 from pagedllm.model_executor.quant.packing import fp4_e2m1_pairs
 
 MXFP4_BLOCK = 32
@@ -36,15 +37,24 @@ def mxfp4_expert_bytes(num_experts: int, hidden: int, width: int) -> int:
 
 
 class Mxfp4MoEMethod(MoEMethod):
-    """The reference grouped experts (MoEMethod.apply), each chosen expert's weights dequantized for its GEMMs."""
+    """The grouped experts (MoEMethod.apply): on a CPU in bf16 an expert with up to GEMV_MAX_ROWS tokens multiplies
+    its stored bytes (quant_gemv.cpp's mxfp4_gemv; `kernels` set at load); otherwise its weights dequantized for
+    its GEMMs."""
 
     name = "mxfp4"
+    kernels = None
 
     def expert_forward(self, layer: FusedMoE, expert: int, x: torch.Tensor) -> torch.Tensor:
-        w13 = dequantize_mxfp4(layer.w13_weight[expert], layer.w13_scale[expert], x.dtype)
-        w2 = dequantize_mxfp4(layer.w2_weight[expert], layer.w2_scale[expert], x.dtype)
         b13 = None if layer.w13_bias is None else layer.w13_bias[expert]
         b2 = None if layer.w2_bias is None else layer.w2_bias[expert]
+        if self.kernels is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu" \
+                and x.shape[0] <= GEMV_MAX_ROWS:
+            h = self.kernels.mxfp4_gemv(x, layer.w13_weight[expert], layer.w13_scale[expert])
+            h = layer.act_and_mul(h if b13 is None else h + b13)
+            y = self.kernels.mxfp4_gemv(h, layer.w2_weight[expert], layer.w2_scale[expert])
+            return y if b2 is None else y + b2
+        w13 = dequantize_mxfp4(layer.w13_weight[expert], layer.w13_scale[expert], x.dtype)
+        w2 = dequantize_mxfp4(layer.w2_weight[expert], layer.w2_scale[expert], x.dtype)
         return F.linear(layer.act_and_mul(F.linear(x, w13, b13)), w2, b2)
 
 
