@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.model_executor.moe import FusedMoE, MoEMethod
+from pagedllm.model_executor.quant.triton_gemm import accumulate_dot
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (16-bit tl.dot is wrong there: fp32 products)
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 32
@@ -49,12 +50,7 @@ def _grouped_gemm_kernel(
                     other=0.0)
         b = tl.load(b_base + cols[None, :] * stride_bn + kk[:, None], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)
-        if IEEE:
-            acc += tl.dot(a, b, input_precision="ieee")
-        elif DOT_FP32:
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc = accumulate_dot(acc, a, b, IEEE, DOT_FP32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert * stride_bias_e + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = acc.to(c_ptr.dtype.element_ty)

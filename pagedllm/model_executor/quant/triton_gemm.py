@@ -67,8 +67,9 @@ def _e2m1_to_f32(c):
 
 
 @_jit
-def _accumulate(acc, x, w, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
-    """acc + x @ w in float32 (x and w in the activations' dtype)."""
+def accumulate_dot(acc, x, w, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + x @ w in float32 (x and w in the activations' dtype; fp32 operands exactly, and 16-bit ones as fp32
+    under the interpreter, whose 16-bit dot is wrong). The fused-MoE kernel's products too."""
     if IEEE:
         acc += tl.dot(x, w, input_precision="ieee")
     elif DOT_FP32:
@@ -80,6 +81,20 @@ def _accumulate(acc, x, w, IEEE: tl.constexpr, DOT_FP32: tl.constexpr):
 
 # -- kernels ------------------------------------------------------------------------------------------------------
 @_jit
+def _output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows of x and columns of the output (int64 offsets), and which lie inside (M, N)."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows.to(tl.int64), cols.to(tl.int64), rows < M, cols < N
+
+
+@_jit
+def _store(out_ptr, acc, rows64, cols64, row_ok, col_ok, stride_om):
+    tl.store(out_ptr + rows64[:, None] * stride_om + cols64[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@_jit
 def _int4_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
@@ -88,14 +103,7 @@ def _int4_gemm_kernel(
 ):
     """out = x @ ((q - zero) * scale)^T; q: (N, K / 2) bytes, column 2j in byte j's low nibble; a K tile lies in
     one group (GROUP % BLOCK_K == 0, K % GROUP == 0)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
+    rows64, cols64, row_ok, col_ok = _output_tile(M, N, BLOCK_M, BLOCK_N)
     half = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -111,9 +119,8 @@ def _int4_gemm_kernel(
             w = (q - z[:, None]) * s[:, None]
         else:
             w = (q - 8.0) * s[:, None]
-        acc = _accumulate(acc, x, tl.trans(w.to(x.dtype)), IEEE, DOT_FP32)
-    tl.store(out_ptr + rows64[:, None] * stride_om + cols64[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        acc = accumulate_dot(acc, x, tl.trans(w.to(x.dtype)), IEEE, DOT_FP32)
+    _store(out_ptr, acc, rows64, cols64, row_ok, col_ok, stride_om)
 
 
 @_jit
@@ -126,14 +133,7 @@ def _fp8_gemm_kernel(
     """out = x @ (fp8 * scale)^T; w: (N, K) e4m3 bytes. SCALE_ROWS 0: a scale per row, (N,); else a block
     scale per SCALE_ROWS x SCALE_COLS, (cdiv(N, SCALE_ROWS), cdiv(K, SCALE_COLS)), a K tile inside one block
     column (SCALE_COLS % BLOCK_K == 0). K need not be a multiple of anything (the last tile is masked)."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
+    rows64, cols64, row_ok, col_ok = _output_tile(M, N, BLOCK_M, BLOCK_N)
     if SCALE_ROWS == 0:
         s = tl.load(scale_ptr + cols64, mask=col_ok, other=0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -147,9 +147,8 @@ def _fp8_gemm_kernel(
         if SCALE_ROWS != 0:
             s = tl.load(scale_ptr + (cols64 // SCALE_ROWS) * stride_sn + k0 // SCALE_COLS, mask=col_ok, other=0.0)
         w = _e4m3_to_f32(b) * s[:, None]
-        acc = _accumulate(acc, x, tl.trans(w.to(x.dtype)), IEEE, DOT_FP32)
-    tl.store(out_ptr + rows64[:, None] * stride_om + cols64[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        acc = accumulate_dot(acc, x, tl.trans(w.to(x.dtype)), IEEE, DOT_FP32)
+    _store(out_ptr, acc, rows64, cols64, row_ok, col_ok, stride_om)
 
 
 @_jit
@@ -161,14 +160,7 @@ def _nvfp4_gemm_kernel(
 ):
     """out = x @ (value * (scale / global or scale * global))^T; w: (N, K / 2) E2M1 codes, the low nibble first;
     scale: (N, K / FP4_BLOCK) e4m3 bytes; K % BLOCK_K == 0 and BLOCK_K % FP4_BLOCK == 0."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    rows64 = rows.to(tl.int64)
-    cols64 = cols.to(tl.int64)
+    rows64, cols64, row_ok, col_ok = _output_tile(M, N, BLOCK_M, BLOCK_N)
     half = tl.arange(0, BLOCK_K // 2)
     blocks = tl.arange(0, BLOCK_K // FP4_BLOCK)
     g = tl.load(global_ptr + cols64, mask=col_ok, other=1.0)
@@ -187,9 +179,8 @@ def _nvfp4_gemm_kernel(
             s = s * g[:, None]
         w = tl.reshape(tl.reshape(v, (BLOCK_N, BLOCK_K // FP4_BLOCK, FP4_BLOCK)) * s[:, :, None],
                        (BLOCK_N, BLOCK_K))
-        acc = _accumulate(acc, x, tl.trans(w.to(x.dtype)), IEEE, DOT_FP32)
-    tl.store(out_ptr + rows64[:, None] * stride_om + cols64[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+        acc = accumulate_dot(acc, x, tl.trans(w.to(x.dtype)), IEEE, DOT_FP32)
+    _store(out_ptr, acc, rows64, cols64, row_ok, col_ok, stride_om)
 
 
 # -- launchers ----------------------------------------------------------------------------------------------------
@@ -255,6 +246,17 @@ def _prepare(x: torch.Tensor, layer: Linear) -> tuple[torch.Tensor, torch.Tensor
     return x, out, common
 
 
+def _launch(kernel, x: torch.Tensor, layer: Linear, block_k: int, tensors: tuple, strides: tuple,
+            **consts) -> torch.Tensor:
+    """One format's kernel over x: its arguments are x, `tensors`, the output, m, n, k, x's row stride, `strides`,
+    the output's row stride, then the constants."""
+    x, out, common = _prepare(x, layer)
+    m, n, k = x.shape[0], layer.out_features, layer.in_features
+    kernel[_grid(m, n, common["BLOCK_M"])](x, *tensors, out, m, n, k, x.stride(0), *strides, out.stride(0),
+                                           BLOCK_K=block_k, **consts, **common)
+    return out
+
+
 def _grid(m: int, n: int, block_m: int) -> tuple[int, int]:
     return cdiv(n, BLOCK_N), cdiv(m, block_m)
 
@@ -269,14 +271,11 @@ def int4_gemm(x: torch.Tensor, layer: Linear, fmt: Int4Format) -> torch.Tensor:
     block_k = _int4_block_k(layer, fmt)
     if block_k is None:
         raise _refuse("int4", layer)
-    x, out, common = _prepare(x, layer)
-    m, n, k = x.shape[0], layer.out_features, layer.in_features
     zero = getattr(layer, "weight_zero", None)
-    _int4_gemm_kernel[_grid(m, n, common["BLOCK_M"])](
-        x, layer.weight, layer.weight_scale, layer.weight if zero is None else zero, out, m, n, k,
-        x.stride(0), layer.weight.stride(0), layer.weight_scale.stride(0), 0 if zero is None else zero.stride(0),
-        out.stride(0), GROUP=fmt.group_size or k, HAS_ZERO=zero is not None, BLOCK_K=block_k, **common)
-    return out
+    return _launch(_int4_gemm_kernel, x, layer, block_k,
+                   (layer.weight, layer.weight_scale, layer.weight if zero is None else zero),
+                   (layer.weight.stride(0), layer.weight_scale.stride(0), 0 if zero is None else zero.stride(0)),
+                   GROUP=fmt.group_size or layer.in_features, HAS_ZERO=zero is not None)
 
 
 def fp8_gemm(x: torch.Tensor, layer: Linear, fmt: Fp8Format) -> torch.Tensor:
@@ -284,15 +283,11 @@ def fp8_gemm(x: torch.Tensor, layer: Linear, fmt: Fp8Format) -> torch.Tensor:
     block_k = _fp8_block_k(layer, fmt)
     if block_k is None:
         raise _refuse("fp8", layer)
-    x, out, common = _prepare(x, layer)
-    m, n, k = x.shape[0], layer.out_features, layer.in_features
     scale = layer.weight_scale
     rows, cols = (0, 1) if fmt.block is None else fmt.block
-    _fp8_gemm_kernel[_grid(m, n, common["BLOCK_M"])](
-        x, layer.weight.view(torch.uint8), scale, out, m, n, k,
-        x.stride(0), layer.weight.stride(0), scale.stride(0) if scale.dim() == 2 else 0, out.stride(0),
-        SCALE_ROWS=rows, SCALE_COLS=cols, BLOCK_K=block_k, **common)
-    return out
+    return _launch(_fp8_gemm_kernel, x, layer, block_k, (layer.weight.view(torch.uint8), scale),
+                   (layer.weight.stride(0), scale.stride(0) if scale.dim() == 2 else 0),
+                   SCALE_ROWS=rows, SCALE_COLS=cols)
 
 
 def nvfp4_gemm(x: torch.Tensor, layer: Linear, fmt: Nvfp4Format) -> torch.Tensor:
@@ -300,13 +295,9 @@ def nvfp4_gemm(x: torch.Tensor, layer: Linear, fmt: Nvfp4Format) -> torch.Tensor
     block_k = _nvfp4_block_k(layer, fmt)
     if block_k is None:
         raise _refuse("nvfp4", layer)
-    x, out, common = _prepare(x, layer)
-    m, n, k = x.shape[0], layer.out_features, layer.in_features
-    _nvfp4_gemm_kernel[_grid(m, n, common["BLOCK_M"])](
-        x, layer.weight, layer.weight_scale.view(torch.uint8), layer.weight_global, out, m, n, k,
-        x.stride(0), layer.weight.stride(0), layer.weight_scale.stride(0), out.stride(0),
-        DIVIDES=fmt.divides, FP4_BLOCK=NVFP4_BLOCK, BLOCK_K=block_k, **common)
-    return out
+    return _launch(_nvfp4_gemm_kernel, x, layer, block_k,
+                   (layer.weight, layer.weight_scale.view(torch.uint8), layer.weight_global),
+                   (layer.weight.stride(0), layer.weight_scale.stride(0)), DIVIDES=fmt.divides, FP4_BLOCK=NVFP4_BLOCK)
 
 
 _KERNELS = ((Int4Format, _int4_block_k, int4_gemm), (Fp8Format, _fp8_block_k, fp8_gemm),
