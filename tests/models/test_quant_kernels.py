@@ -132,3 +132,13 @@ def test_mxfp4_decode_product_equals_the_fp32_product_within_bf16_rounding(rows,
     got = cpu_kernels().mxfp4_gemv(x, blocks, scales).double()
     want = x.double() @ dequantize_mxfp4(blocks, scales, torch.float64).T
     assert torch.allclose(got, want, rtol=2 ** -8, atol=1e-3 * want.abs().max().item())
+
+
+def test_mxfp4_tiles_equal_the_reference_bit_for_bit():
+    """A prefill's widened experts (quant_gemv.cpp's mxfp4_dequantize): every code at scales from 2^-20 to 2^20,
+    equal to quant/mxfp4.py's reference in bfloat16."""
+    gen = torch.Generator().manual_seed(3)
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(48, 1)[:, torch.randperm(256, generator=gen)[:144]]
+    blocks = blocks.contiguous()
+    scales = torch.randint(107, 148, (48, 9), generator=gen, dtype=torch.uint8)
+    assert torch.equal(cpu_kernels().mxfp4_dequantize(blocks, scales), dequantize_mxfp4(blocks, scales, torch.bfloat16))

@@ -154,11 +154,22 @@ def _decode_attention(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v
 def _attention_with_sinks(layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           mask: torch.Tensor) -> torch.Tensor:
     """Prefill attention with a sink logit per head in each softmax (SDPA has no such term): q (B, heads, max_q,
-    dim), k and v (B, kv_heads, keys, dim), mask (B, 1, max_q, keys)."""
+    dim), k and v (B, kv_heads, keys, dim), mask (B, 1, max_q, keys).
+
+    A sink adds exp(sink) to each softmax's denominator and nothing to its numerator, so the output is plain
+    attention's scaled by Z / (Z + exp(sink)) = sigmoid(logsumexp - sink). On a CPU the flash kernel gives both
+    without the (heads, queries, keys) score matrix, which at 2048 tokens and gpt-oss' 64 heads is 1 GiB in
+    float32; elsewhere the scores are materialised as the reference's eager attention does."""
     group = layer.num_heads // layer.num_kv_heads
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    sinks = layer.sinks.float()
+    if q.device.type == "cpu":
+        additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive,
+                                                                              scale=layer.scale)
+        return out * torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
     scores = (torch.matmul(q, k.transpose(-1, -2)) * layer.scale).float().masked_fill_(~mask, float("-inf"))
-    sinks = layer.sinks.float().view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)
+    sinks = sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], -1)
     probs = torch.softmax(torch.cat((scores, sinks), dim=-1), dim=-1)[..., :-1].to(v.dtype)
     return torch.matmul(probs, v)
 

@@ -30,6 +30,7 @@ at::Tensor fp8_gemv(const at::Tensor& x, const at::Tensor& weight, const at::Ten
                     int64_t block_k);
 std::string fp8_gemv_path();
 at::Tensor mxfp4_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::Tensor& scales);
+at::Tensor mxfp4_dequantize(const at::Tensor& blocks, const at::Tensor& scales);
 at::Tensor fp8_dequantize(const at::Tensor& weight, const at::Tensor& scale, int64_t block_n, int64_t block_k,
                           int64_t start, int64_t end);
 at::Tensor int4_dequantize(const at::Tensor& weight, const at::Tensor& scale, const c10::optional<at::Tensor>& zero,
@@ -60,4 +61,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   PAGEDLLM_DEF(fp8_dequantize);
   PAGEDLLM_DEF(fp8_gemv_path);
   PAGEDLLM_DEF(mxfp4_gemv);
+  PAGEDLLM_DEF(mxfp4_dequantize);
 }

@@ -667,3 +667,33 @@ at::Tensor mxfp4_gemv(const at::Tensor& x, const at::Tensor& blocks, const at::T
   (void)bf16dot;
   return y;
 }
+
+// The prefill side: (N, K) bfloat16 weights from MXFP4 codes and scales (exact: each value is an E2M1 value times a
+// power of two), per block of 32 a 16-entry table of its scaled values, every code one lookup.
+at::Tensor mxfp4_dequantize(const at::Tensor& blocks, const at::Tensor& scales) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous() &&
+              scales.scalar_type() == at::kByte && scales.dim() == 2 && scales.is_contiguous() &&
+              scales.size(0) == blocks.size(0) && blocks.size(1) == scales.size(1) * 16,
+              "MXFP4 weights must be contiguous (N, K / 2) codes and (N, K / 32) scales, uint8");
+  const int64_t n = blocks.size(0), half = blocks.size(1), num_blocks = scales.size(1);
+  at::Tensor out = at::empty({n, 2 * half}, blocks.options().dtype(at::kBFloat16));
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  const auto* w = blocks.data_ptr<uint8_t>();
+  const auto* s = scales.data_ptr<uint8_t>();
+  parallel_chunks(n, 8, [&](const auto& next) {
+    int64_t begin, stop;
+    while (next(begin, stop)) {
+      for (int64_t row = begin; row < stop; ++row) {
+        for (int64_t b = 0; b < num_blocks; ++b) {
+          uint16_t table[16];
+          const float scale = e8m0(s[row * num_blocks + b]);
+          for (int i = 0; i < 16; ++i) table[i] = c10::BFloat16(kE2M1[i] * scale).x;
+          const uint8_t* codes = w + row * half + b * 16;
+          uint16_t* dst = o + row * 2 * half + b * 32;
+          for (int i = 0; i < 16; ++i) dst[2 * i] = table[codes[i] & 0xF], dst[2 * i + 1] = table[codes[i] >> 4];
+        }
+      }
+    }
+  });
+  return out;
+}

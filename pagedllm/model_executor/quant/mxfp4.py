@@ -39,7 +39,7 @@ def mxfp4_expert_bytes(num_experts: int, hidden: int, width: int) -> int:
 class Mxfp4MoEMethod(MoEMethod):
     """The grouped experts (MoEMethod.apply): on a CPU in bf16 an expert with up to GEMV_MAX_ROWS tokens multiplies
     its stored bytes (quant_gemv.cpp's mxfp4_gemv; `kernels` set at load); otherwise its weights dequantized for
-    its GEMMs."""
+    its GEMMs, one matrix at a time."""
 
     name = "mxfp4"
     kernels = None
@@ -53,9 +53,17 @@ class Mxfp4MoEMethod(MoEMethod):
             h = layer.act_and_mul(h if b13 is None else h + b13)
             y = self.kernels.mxfp4_gemv(h, layer.w2_weight[expert], layer.w2_scale[expert])
             return y if b2 is None else y + b2
-        w13 = dequantize_mxfp4(layer.w13_weight[expert], layer.w13_scale[expert], x.dtype)
-        w2 = dequantize_mxfp4(layer.w2_weight[expert], layer.w2_scale[expert], x.dtype)
-        return F.linear(layer.act_and_mul(F.linear(x, w13, b13)), w2, b2)
+        w13 = self._dequantize(layer.w13_weight[expert], layer.w13_scale[expert], x)
+        h = layer.act_and_mul(F.linear(x, w13, b13))
+        del w13  # (one expert's weights widened at a time: the prefill's transient)
+        return F.linear(h, self._dequantize(layer.w2_weight[expert], layer.w2_scale[expert], x), b2)
+
+    def _dequantize(self, blocks: torch.Tensor, scales: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One expert's weights in x's dtype: by quant_gemv.cpp's mxfp4_dequantize on a CPU in bf16 (no index
+        temporaries), else by dequantize_mxfp4."""
+        if self.kernels is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return self.kernels.mxfp4_dequantize(blocks, scales)
+        return dequantize_mxfp4(blocks, scales, x.dtype)
 
 
 MXFP4_EXPERTS = Mxfp4MoEMethod()
