@@ -70,9 +70,10 @@ def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int,
         all_bytes = cache(lambda dtype, quant: weight_bytes_from_config(hf_config, dtype, quant))
         layer_bytes = cache(lambda dtype, quant: layer_weight_bytes_from_config(hf_config, dtype, quant))
         weights_source = "config shapes"
+    head_copy = cache(lambda dtype: _cpu_head_copy_bytes(hf_config, dtype) if device == "cpu" else 0)
     return ModelFacts(
         model_max_len=model_max_len,
-        weight_bytes=lambda s: all_bytes(s.dtype, s.quantization) // s.tensor_parallel_size,
+        weight_bytes=lambda s: (all_bytes(s.dtype, s.quantization) + head_copy(s.dtype)) // s.tensor_parallel_size,
         layer_weight_bytes=lambda s: layer_bytes(s.dtype, s.quantization) // s.tensor_parallel_size,
         num_layers=hf_config.num_hidden_layers,
         vocab_size=hf_config.vocab_size,
@@ -86,7 +87,14 @@ def dry_run_model_facts(hf_config, weight_files: list[Path], model_max_len: int,
         stored_format=_stored_format(hf_config),
         kv_layout=KVCacheLayout.of_config(hf_config),
         graph_pool_bytes=lambda s: int(_graph_pool_estimate(hf_config, s) * CUDA_ALLOCATOR_SHARE),
+        head_copy_bytes=lambda s: head_copy(s.dtype) // s.tensor_parallel_size,
     )
+
+
+def _cpu_head_copy_bytes(hf_config, dtype) -> int:
+    from pagedllm.model_executor.cpu_ops import tied_head_copy_bytes  # (the engine's packing, not loaded eagerly)
+
+    return tied_head_copy_bytes(hf_config, dtype)
 
 
 def _graph_pool_estimate(hf_config, s: PlanSettings) -> int:
@@ -143,6 +151,8 @@ def measured_model_facts(hf_config, model_max_len: int, measured_at: PlanSetting
         overhead_source="measured",
         graph_pool_bytes=graph_pool,
         graph_pool_source="estimated" if graph_pool_bytes is None else "measured: decode step of the largest size",
+        head_copy_bytes=(lambda s: _cpu_head_copy_bytes(hf_config, s.dtype) // s.tensor_parallel_size)
+        if device == "cpu" else None,
     )
 
 

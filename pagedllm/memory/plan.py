@@ -121,6 +121,8 @@ class ModelFacts:
     vocab_size: int = 0  # the logits' width: the structured outputs' token bitmask has a bit per token
     experts: str = ""  # a mixture of experts: what the weights hold of them ("every expert: ..."); "": dense
     stored_format: str = ""  # a quantized checkpoint's formats, as the weights are held ("mxfp4 experts"); "": none
+    # Of weight_bytes: a CPU engine's second copy of a tied LM head (oneDNN's layout beside the embedding's table).
+    head_copy_bytes: Callable[[PlanSettings], int] | None = None
     # Which layers share a block table (kv_layout.py); None or one without windows: every layer's K/V of a
     # token stays while its sequence does.
     kv_layout: KVCacheLayout | None = None
@@ -670,6 +672,9 @@ class MemoryPlan:
         planned = f", as an {s.quantization} checkpoint" if s.quantization in PLANNED_CHECKPOINT_FORMATS else ""
         label = f"model weights ({_dtype_name(s.dtype)}{linears}{planned}{stored})"
         note = self.model.weights_source + (f"; {self.model.experts}" if self.model.experts else "")
+        copy = self.model.head_copy_bytes(s) if self.model.head_copy_bytes else 0
+        if copy:
+            note += f"; the tied LM head twice (oneDNN's packed copy, {fmt_bytes(copy)}, beside the embedding)"
         if self.offloaded_layers:
             slots = device_slots(self.offloaded_layers)
             note += (f"; {self.offloaded_layers} of {self.model.num_layers} layers "

@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.model_executor.cpu_isa import cpu_isa, cpu_kernels, machine_cpu_isa, onednn_bf16
+from pagedllm.model_executor.cpu_isa import (
+    cpu_isa,
+    cpu_kernels,
+    expected_cpu_isas,
+    forced_cpu_isa,
+    machine_cpu_isa,
+    onednn_bf16,
+)
 from pagedllm.model_executor.layers import NATIVE_DTYPES
 from pagedllm.model_executor.linear import (
     UNQUANTIZED,
@@ -226,8 +233,9 @@ def pack_linear_weights(model: nn.Module, vocab_major: bool = False) -> int:
     packed with its gate and up blocks alternating (KernelPackedGateUp): SiLU(gate) * up computed as each
     block pair leaves the matrix units (no (rows, 2 * intermediate) product written and read back).
     `avx512_bf16` (oneDNN bf16, AVX-512 without AMX): oneDNN's blocked format, 2-3x faster than the
-    plain bf16 product at one row and ~1.4x at 64; a tied weight then stays plain (one copy) and
-    multiplies in the orientation that is faster for decode. `avx2` (no bf16 arithmetic), the same
+    plain bf16 product at one row and ~1.4x at 64; a tied head gets a packed copy beside the embedding's
+    plain table (two copies, as vLLM's CPU backend holds them: the head is the largest single read of a
+    small model's decode step). `avx2` (no bf16 arithmetic), the same
     packed layout as `amx` (tied head and fused SiLU included) goes to the kernels' AVX2 / FMA path,
     which widens bf16 to fp32 in registers (24 layers at 1 row: 24 ms, 30 GB/s, where PyTorch's bf16
     product took 65 ms; at 64 rows ~135 GFLOP/s against ~20 for PyTorch's bf16 matmul); a weight not in
@@ -265,6 +273,11 @@ def pack_linear_weights(model: nn.Module, vocab_major: bool = False) -> int:
                 packed_bytes += w.numel() * w.element_size()
             elif fma:
                 module.method = UpcastLinear(SharedWeightLinear(vocab_major))
+            elif onednn and not own_kernels:
+                # oneDNN's layout beside the embedding's plain table, as vLLM's CPU backend keeps it: the head is
+                # read every step (Qwen2.5-0.5B's at one row 3.8-6.0 ms against 7-9 ms for its plain rows here).
+                _pack_for_onednn(module, keep_weight=True)
+                packed_bytes += w.numel() * w.element_size()
             else:
                 module.method = SharedWeightLinear(vocab_major)
             continue
@@ -345,12 +358,25 @@ def _use_fp32_arithmetic(model: nn.Module, vocab_major: bool) -> None:
             module.method = UpcastLinear(plain)
 
 
-def _pack_for_onednn(module: nn.Linear) -> OneDnnPackedLinear:
-    """The weight in oneDNN's blocked bf16 layout; the plain weight freed. Returns the layer's new method."""
+def _pack_for_onednn(module: nn.Linear, keep_weight: bool = False) -> OneDnnPackedLinear:
+    """The weight in oneDNN's blocked bf16 layout; the plain weight freed unless `keep_weight` (a table an
+    embedding reads). Returns the layer's new method."""
     w = module.weight
     module.method = OneDnnPackedLinear(torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACKING_BATCH_HINT))
-    module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+    if not keep_weight:
+        module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
     return module.method
+
+
+def tied_head_copy_bytes(hf_config, dtype: torch.dtype) -> int:
+    """What pack_linear_weights will add on this machine for `hf_config`'s LM head, before any weight is loaded:
+    a tied bf16 head on the avx512_bf16 path gets oneDNN's copy beside the embedding's table (for dry-run plans;
+    the path read from the CPU's flags and PAGEDLLM_CPU_ISA, the kernels not built)."""
+    if dtype != torch.bfloat16 or not getattr(hf_config, "tie_word_embeddings", False) \
+            or getattr(hf_config, "model_type", "") == "higgs_audio_v2":  # (no text head)
+        return 0
+    path = forced_cpu_isa() or expected_cpu_isas()[0]
+    return hf_config.vocab_size * hf_config.hidden_size * dtype.itemsize if path == "avx512_bf16" else 0
 
 
 def _pack_for_kernels(module: nn.Linear, kernels) -> KernelPackedLinear:

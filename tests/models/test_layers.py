@@ -37,13 +37,15 @@ def _close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor 
 
 @pytest.mark.parametrize("rows", [1, 3, 32, 40])
 def test_a_head_not_in_whole_blocks_keeps_its_plain_weight(rows, cpu_path):
-    """Every path: a 300-row tied head is not whole 16-column blocks, so it keeps its plain weight (one copy with
-    the embedding); the untied projection is re-laid except with no kernels (`none`: fp32 products instead)."""
+    """Every path: a 300-row tied head is not whole 16-column blocks, so it keeps its plain weight with the
+    embedding (on avx512_bf16 beside oneDNN's copy); the untied projection is re-laid except with no kernels
+    (`none`: fp32 products instead)."""
     model = _model()
     plain_proj_w, plain_proj_b = model.proj.weight.detach().clone(), model.proj.bias.detach().clone()
     packed = pack_linear_weights(model)
-    assert packed == (0 if cpu_path == "none" else 96 * 64 * 2)
+    assert packed == {"none": 0, "avx512_bf16": (96 + 300) * 64 * 2}.get(cpu_path, 96 * 64 * 2)
     assert model.head.weight is model.embed.weight and model.head.weight.numel() == 300 * 64
+    assert isinstance(model.head.method, layers.OneDnnPackedLinear) == (cpu_path == "avx512_bf16")
     # No bf16 arithmetic (avx2, none): many rows of the head multiply in fp32 (upcast_linear).
     assert isinstance(model.head.method, layers.UpcastLinear) == (cpu_path in ("avx2", "none"))
     assert (model.proj.weight.numel() == 0) == (cpu_path != "none")
@@ -58,18 +60,20 @@ def test_a_head_not_in_whole_blocks_keeps_its_plain_weight(rows, cpu_path):
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_a_tied_head_in_whole_blocks_is_packed_once_for_head_and_embedding(rows, cpu_path):
     """amx and avx2 (cpu_kernels' layout): a tied head in whole blocks is packed once, and the embedding reads its
-    rows back out of it. avx512_bf16 (oneDNN's layout, which an embedding cannot read) keeps it plain; none packs
-    nothing."""
+    rows back out of it. avx512_bf16: oneDNN's layout, which an embedding cannot read, is a second copy for the
+    head (counted), the plain table stays for the embedding; none packs nothing."""
     model = _model(vocab=320)
     table = model.embed.weight.detach().clone()
     plain_proj_w, plain_proj_b = model.proj.weight.detach().clone(), model.proj.bias.detach().clone()
-    expected = {"amx": (96 + 320) * 64 * 2, "avx2": (96 + 320) * 64 * 2, "avx512_bf16": 96 * 64 * 2, "none": 0}
-    assert pack_linear_weights(model) == expected[cpu_path]  # the shared table counted once
+    expected = {"amx": (96 + 320) * 64 * 2, "avx2": (96 + 320) * 64 * 2, "avx512_bf16": (96 + 320) * 64 * 2,
+                "none": 0}
+    assert pack_linear_weights(model) == expected[cpu_path]  # the shared table counted once (with its copy)
     if cpu_path in OWN_KERNELS:
         assert model.embed.method.packed_weight is model.head.method.packed_weight
         assert model.head.weight.numel() == 0 and model.embed.weight is model.head.weight
     else:
         assert model.head.weight is model.embed.weight and model.head.weight.numel() == 320 * 64
+        assert isinstance(model.head.method, layers.OneDnnPackedLinear) == (cpu_path == "avx512_bf16")
     ids = torch.tensor([0, 319, 17, 17])
     x = torch.randn(rows, 64).to(torch.bfloat16)
     with torch.inference_mode():
@@ -137,7 +141,7 @@ def test_vocab_major_logits_are_the_lm_heads_product(tmp_path, rows):
         with torch.inference_mode():
             plain, vocab_major = model.compute_logits(hidden), model.compute_logits(hidden, vocab_major=True)
         torch.testing.assert_close(vocab_major, plain, rtol=1.6e-2, atol=1e-2)
-        if tied and rows > 1 and model.lm_head.weight.numel() > 0:  # a plain tied head (no AMX packing)
+        if tied and rows > 1 and isinstance(model.lm_head.method, layers.CpuLinear):  # a plain tied head
             assert vocab_major.stride() == (1, rows)
         else:
             assert vocab_major.is_contiguous()
