@@ -262,3 +262,53 @@ def test_roofline_on_a_gpu_multiplies_bf16_as_bf16():
 
     assert arithmetic_dtype(torch.bfloat16, torch.device("cuda")) == torch.bfloat16
     assert arithmetic_dtype(torch.float16, torch.device("cuda")) == torch.float16
+
+
+def test_bench_compare_runs_both_engines_offline_and_served(tmp_path, capsys):
+    """`bench compare` end to end with a second pagedllm as the peer (this venv's Python; CI has no vLLM): both
+    engines run the same offline workload and serve the same load; the report holds every run's numbers, medians
+    that are those runs', and ratios computed from the medians."""
+    import json
+    import sys
+
+    from pagedllm.bench.compare import main as compare_main
+    from tests.helpers import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "m", "qwen2")
+    out = tmp_path / "report.json"
+    assert compare_main(["--model", str(model), "--peer", "pagedllm", "--peer-python", sys.executable,
+                         "--peer-env", "PAGEDLLM_TEST_MARK=1", "--runs", "1", "--num-prompts", "3",
+                         "--input-len", "6", "--output-len", "5", "--serve", "--concurrency", "2",
+                         "--serve-input-len", "6", "--serve-output-len", "4", "--min-prompts", "3",
+                         "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["peer_env"] == {"PAGEDLLM_TEST_MARK": "1"}  # (vLLM's CPU settings only for a vLLM peer)
+    runs, med = report["offline"]["runs"], report["offline"]["medians"]
+    assert set(runs) == {"pagedllm (peer)", "pagedllm"} and all(len(r) == 1 for r in runs.values())
+    for label, rows in runs.items():
+        assert med[label] == rows[0] and rows[0]["W_tok_s"] > 0 and rows[0]["batch1_ms"] > 0
+    ratios = report["offline"]["ratios"]
+    assert ratios["W"] == pytest.approx(med["pagedllm"]["W_tok_s"] / med["pagedllm (peer)"]["W_tok_s"])
+    assert ratios["batch1_speed"] == pytest.approx(med["pagedllm (peer)"]["batch1_ms"] / med["pagedllm"]["batch1_ms"])
+    for label in runs:
+        (row,) = report["serving"][label]
+        assert row["concurrency"] == 2 and row["num_prompts"] == 8 and row["output_tok_s"] > 0
+        assert row["median_ttft_ms"] > 0 and row["median_tpot_ms"] > 0
+    printed = capsys.readouterr().out
+    assert "W output tok/s (median)" in printed and "median TPOT ms" in printed
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--runs", "0"], "--runs must be >= 1"),
+    (["--concurrency", "0"], "--concurrency values must be >= 1"),
+    (["--no-offline"], "leaves nothing to run"),
+    (["--peer-env", "NOEQUALS"], "use KEY=VALUE"),
+])
+def test_bench_compare_refuses_bad_arguments(argv, match, capsys):
+    import sys
+
+    from pagedllm.bench.compare import main as compare_main
+
+    with pytest.raises(SystemExit):
+        compare_main(["--peer-python", sys.executable, *argv])
+    assert match in capsys.readouterr().err
