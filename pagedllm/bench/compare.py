@@ -3,14 +3,14 @@ one sitting, medians and ratios printed.
 
 Offline (always): peer_workload.py under each engine's Python, --runs times, the order alternating (peer first in
 odd runs): W (--num-prompts x --input-len random ids in, --output-len out, ignore_eos, temperature 1.0) in output
-tok/s, and batch 1 in ms per output token. Serving (--serve): each engine's OpenAI server on the same dummy model,
-loaded by `bench serve`'s client (random --serve-input-len ids in, --serve-output-len out, greedy, ignore_eos) at
-each --concurrency: TTFT, TPOT and output tok/s.
+tok/s, and batch 1 in ms per output token. Serving (--serve): both engines' OpenAI servers up side by side on the
+same dummy model, loaded in turn by `bench serve`'s client (random --serve-input-len ids in, --serve-output-len out,
+greedy, ignore_eos), --runs loads each at every --concurrency, the order alternating: median TTFT, TPOT, output tok/s.
 
 The peer is a vLLM installation given by its Python (--peer-python, e.g. ../shared/peers/vllm-cpu's venv), run with
 the settings vLLM's CPU guide asks for (all cores for the model, Intel OpenMP preloaded where the venv has it;
 --peer-env adds or overrides). `--peer pagedllm` compares with another pagedllm (another checkout's venv).
-Dummy weights of the model's config.json: a folder, or a built-in shape name (`pagedllm plan --list-models`).
+Dummy weights of the model's config.json: a folder, or a built-in shape name (pagedllm/model_configs/).
 """
 from __future__ import annotations
 
@@ -93,15 +93,19 @@ def server_command(engine: Engine, folder: Path, port: int, args: argparse.Names
     common = ["--load-format", "dummy", "--dtype", "bfloat16", "--port", str(port), "--host", "127.0.0.1",
               "--max-model-len", str(args.serve_input_len + args.serve_output_len + 16),
               "--max-num-seqs", str(max(args.concurrency)), "--served-model-name", SERVED_NAME]
-    if engine.name == "vllm":
-        return [str(Path(engine.python).with_name("vllm")), "serve", str(folder), "--skip-tokenizer-init", *common]
+    if engine.name == "vllm":  # (the `vllm` script looks up a distribution named vllm; the CPU build's is vllm-cpu)
+        return [engine.python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(folder),
+                "--skip-tokenizer-init", *common]
     return [engine.python, "-m", "pagedllm", "serve", str(folder), *common]
 
 
 def wait_until_serving(proc: subprocess.Popen, base: str, timeout: float, log: Path) -> None:
     """Poll the server's /v1/models until it answers (or the process exits, or `timeout` passes)."""
+    import logging
+
     import httpx
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -116,40 +120,72 @@ def wait_until_serving(proc: subprocess.Popen, base: str, timeout: float, log: P
     raise RuntimeError(f"the server did not answer within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
-def run_serving(engine: Engine, folder: Path, vocab: int, args: argparse.Namespace, scratch: Path) -> list[dict]:
-    """The engine's server up, one warm-up request, then each concurrency's load; the server stopped."""
-    from pagedllm.bench.serve import compute_metrics, random_prompts, run_load
+class Server:
+    """One engine's OpenAI server on a free port, its output in a log file."""
 
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = scratch / f"{engine.label}-server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(server_command(engine, folder, port, args), env=engine.environ(), stdout=out,
-                                stderr=subprocess.STDOUT)
+    def __init__(self, engine: Engine, folder: Path, args: argparse.Namespace, scratch: Path) -> None:
+        self.engine, self.port = engine, free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = scratch / f"{engine.label}-server.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(server_command(engine, folder, self.port, args), env=engine.environ(),
+                                         stdout=out, stderr=subprocess.STDOUT)
+
+    def load(self, prompts: list, concurrency: int) -> dict:
+        """One load at `concurrency`: bench serve's metrics; a failed request is an error."""
+        from pagedllm.bench.serve import compute_metrics, run_load
+
+        records, duration = asyncio.run(run_load(self.base, "/v1/completions", SERVED_NAME, prompts, concurrency,
+                                                 float("inf"), True, 0, show_progress=False))
+        failed = [r.error for r in records if not r.ok]
+        if failed:
+            raise RuntimeError(f"{self.engine.label}: {len(failed)} requests failed: {failed[0]}")
+        return compute_metrics(records, duration)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+SERVING_KEYS = {"output_tok_s": "output_throughput", "median_ttft_ms": "median_ttft_ms",
+                "median_tpot_ms": "median_tpot_ms", "p99_tpot_ms": "p99_tpot_ms"}
+
+
+def run_serving(engines: tuple[Engine, Engine], folder: Path, vocab: int, args: argparse.Namespace,
+                scratch: Path) -> dict[str, list[dict]]:
+    """Both servers up side by side (one warm-up request each); then at each concurrency --runs loads on each, the
+    order alternating, so the machine's drift falls on both alike. Per engine and concurrency: every run's metrics
+    and their medians."""
+    from pagedllm.bench.serve import random_prompts
+
+    servers = []
     try:
-        wait_until_serving(proc, base, args.timeout, log)
-        results = []
-        for i, c in enumerate([1, *args.concurrency]):  # (the first: a warm-up request, not reported)
-            num = 1 if i == 0 else max(args.min_prompts, args.prompts_per_slot * c)
-            prompts = random_prompts(num, args.serve_input_len, args.serve_output_len, 0.0, vocab, seed=1000 + i)
-            records, duration = asyncio.run(run_load(base, "/v1/completions", SERVED_NAME, prompts, c,
-                                                     float("inf"), True, 0, show_progress=False))
-            failed = [r.error for r in records if not r.ok]
-            if failed:
-                raise RuntimeError(f"{engine.label}: {len(failed)} requests failed: {failed[0]}")
-            if i:
-                m = compute_metrics(records, duration)
-                results.append({"concurrency": c, "num_prompts": num, "output_tok_s": m["output_throughput"],
-                                "median_ttft_ms": m["median_ttft_ms"], "median_tpot_ms": m["median_tpot_ms"],
-                                "p99_tpot_ms": m["p99_tpot_ms"]})
+        for engine in engines:
+            servers.append(Server(engine, folder, args, scratch))
+        for server in servers:
+            wait_until_serving(server.proc, server.base, args.timeout, server.log)
+            server.load(random_prompts(1, args.serve_input_len, args.serve_output_len, 0.0, vocab, seed=999), 1)
+        results: dict[str, list[dict]] = {e.label: [] for e in engines}
+        for c in args.concurrency:
+            num = max(args.min_prompts, args.prompts_per_slot * c)
+            runs: dict[str, list[dict]] = {e.label: [] for e in engines}
+            for i in range(args.runs):
+                prompts = random_prompts(num, args.serve_input_len, args.serve_output_len, 0.0, vocab,
+                                         seed=1000 * c + i)  # (the same prompts for both engines in a run)
+                for server in (servers if i % 2 == 0 else servers[::-1]):
+                    m = server.load(prompts, c)
+                    runs[server.engine.label].append({k: m[v] for k, v in SERVING_KEYS.items()})
+            for label, rows in runs.items():
+                results[label].append({"concurrency": c, "num_prompts": num, "runs": rows,
+                                       **{k: statistics.median(r[k] for r in rows) for k in SERVING_KEYS}})
         return results
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        for server in servers:
+            server.stop()
 
 
 def offline_table(runs: dict[str, list[dict]], ours: Engine, peer: Engine) -> tuple[str, dict]:
@@ -173,14 +209,14 @@ def _joined(rows: list[dict], key: str, digits: int) -> str:
 
 
 def serving_table(serving: dict[str, list[dict]], ours: Engine, peer: Engine) -> str:
-    lines = [f"{'concurrency':>11}{'':>3}{'output tok/s':>28}{'median TTFT ms':>28}{'median TPOT ms':>28}",
-             f"{'':>14}" + f"{peer.label[:8]:>10}{ours.label[:8]:>10}{'ratio':>8}" * 3]
+    lines = [f"{'concurrency':>11}{'':>3}{'output tok/s':>40}{'median TTFT ms':>40}{'median TPOT ms':>40}",
+             f"{'':>14}" + f"{peer.label:>16}{ours.label:>16}{'ratio':>8}" * 3]
     for p_row, o_row in zip(serving[peer.label], serving[ours.label]):
         cells = []
         for key, higher_better in (("output_tok_s", True), ("median_ttft_ms", False), ("median_tpot_ms", False)):
             a, b = p_row[key], o_row[key]
             ratio = (b / a if higher_better else a / b) if a and b else float("nan")
-            cells.append(f"{a:>10.1f}{b:>10.1f}{ratio:>7.2f}x")
+            cells.append(f"{a:>16.1f}{b:>16.1f}{ratio:>7.2f}x")
         lines.append(f"{p_row['concurrency']:>11}{'':>3}" + "".join(cells))
     lines.append("ratios: pagedllm / peer for tok/s, peer / pagedllm for times (above 1: pagedllm ahead)")
     return "\n".join(lines)
@@ -226,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cores = len(os.sched_getaffinity(0))
     peer_env = vllm_cpu_env(args.peer_python, cores) if args.peer == "vllm" else {}
-    peer = Engine(args.peer, f"{args.peer} (peer)", args.peer_python, {**peer_env, **extra})
+    peer = Engine(args.peer, "vllm" if args.peer == "vllm" else "peer-pagedllm", args.peer_python,
+                  {**peer_env, **extra})
     ours = Engine("pagedllm", "pagedllm", sys.executable)
     report: dict = {"model": args.model, "cores": cores, "peer_python": args.peer_python, "peer_env": peer.env}
     with tempfile.TemporaryDirectory(prefix="pagedllm-compare-") as tmp:
@@ -247,11 +284,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.input_len} in / {args.output_len} out\n{text}")
             report["offline"] = {"runs": runs, **summary}
         if args.serve:
-            serving = {}
-            for engine in (peer, ours):
-                serving[engine.label] = run_serving(engine, folder, vocab, args, scratch)
-            print(f"\nserving: random {args.serve_input_len} in / {args.serve_output_len} out, greedy, ignore_eos\n"
-                  f"{serving_table(serving, ours, peer)}")
+            serving = run_serving((peer, ours), folder, vocab, args, scratch)
+            print(f"\nserving: random {args.serve_input_len} in / {args.serve_output_len} out, greedy, ignore_eos; "
+                  f"medians of {args.runs} loads each\n{serving_table(serving, ours, peer)}")
             report["serving"] = serving
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(report, indent=2))

@@ -266,8 +266,8 @@ def test_roofline_on_a_gpu_multiplies_bf16_as_bf16():
 
 def test_bench_compare_runs_both_engines_offline_and_served(tmp_path, capsys):
     """`bench compare` end to end with a second pagedllm as the peer (this venv's Python; CI has no vLLM): both
-    engines run the same offline workload and serve the same load; the report holds every run's numbers, medians
-    that are those runs', and ratios computed from the medians."""
+    engines run the same offline workload and, their servers up side by side, serve the same load; the report holds
+    every run's numbers, medians that are those runs', and ratios computed from the medians."""
     import json
     import sys
 
@@ -284,16 +284,18 @@ def test_bench_compare_runs_both_engines_offline_and_served(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["peer_env"] == {"PAGEDLLM_TEST_MARK": "1"}  # (vLLM's CPU settings only for a vLLM peer)
     runs, med = report["offline"]["runs"], report["offline"]["medians"]
-    assert set(runs) == {"pagedllm (peer)", "pagedllm"} and all(len(r) == 1 for r in runs.values())
+    assert set(runs) == {"peer-pagedllm", "pagedllm"} and all(len(r) == 1 for r in runs.values())
     for label, rows in runs.items():
         assert med[label] == rows[0] and rows[0]["W_tok_s"] > 0 and rows[0]["batch1_ms"] > 0
     ratios = report["offline"]["ratios"]
-    assert ratios["W"] == pytest.approx(med["pagedllm"]["W_tok_s"] / med["pagedllm (peer)"]["W_tok_s"])
-    assert ratios["batch1_speed"] == pytest.approx(med["pagedllm (peer)"]["batch1_ms"] / med["pagedllm"]["batch1_ms"])
+    assert ratios["W"] == pytest.approx(med["pagedllm"]["W_tok_s"] / med["peer-pagedllm"]["W_tok_s"])
+    assert ratios["batch1_speed"] == pytest.approx(med["peer-pagedllm"]["batch1_ms"] / med["pagedllm"]["batch1_ms"])
     for label in runs:
         (row,) = report["serving"][label]
         assert row["concurrency"] == 2 and row["num_prompts"] == 8 and row["output_tok_s"] > 0
         assert row["median_ttft_ms"] > 0 and row["median_tpot_ms"] > 0
+        assert row["runs"] == [{k: row[k] for k in ("output_tok_s", "median_ttft_ms", "median_tpot_ms",
+                                                    "p99_tpot_ms")}]  # (one run: its own median)
     printed = capsys.readouterr().out
     assert "W output tok/s (median)" in printed and "median TPOT ms" in printed
 
