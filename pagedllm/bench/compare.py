@@ -6,6 +6,8 @@ odd runs): W (--num-prompts x --input-len random ids in, --output-len out, ignor
 tok/s, and batch 1 in ms per output token. Serving (--serve): both engines' OpenAI servers up side by side on the
 same dummy model, loaded in turn by `bench serve`'s client (random --serve-input-len ids in, --serve-output-len out,
 greedy, ignore_eos), --runs loads each at every --concurrency, the order alternating: median TTFT, TPOT, output tok/s.
+Both get the same KV cache, whole GiB that hold --concurrency sequences at their longest (vLLM's CPU build otherwise
+takes most of the machine's memory, and the second server would find none).
 
 The peer is a vLLM installation given by its Python (--peer-python, e.g. ../shared/peers/vllm-cpu's venv), run with
 the settings vLLM's CPU guide asks for (all cores for the model, Intel OpenMP preloaded where the venv has it;
@@ -89,14 +91,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def server_command(engine: Engine, folder: Path, port: int, args: argparse.Namespace) -> list[str]:
+def serving_kv_gib(folder: Path, args: argparse.Namespace) -> int:
+    """Whole GiB of bf16 KV cache that hold every served sequence at its longest (both servers get this much: up
+    side by side, neither may take the machine's memory for itself, as vLLM's CPU build does by default)."""
+    import torch
+
+    from pagedllm.memory.model_size import kv_bytes_per_token
+    from pagedllm.model_executor.model_files import load_hf_config
+
+    per_token = kv_bytes_per_token(load_hf_config(folder), torch.bfloat16)
+    tokens = max(args.concurrency) * (args.serve_input_len + args.serve_output_len + 16)
+    return max(1, -(-per_token * tokens * 5 // 4) // 2**30)  # (a quarter more: block rounding)
+
+
+def server_command(engine: Engine, folder: Path, port: int, args: argparse.Namespace, kv_gib: int) -> list[str]:
     common = ["--load-format", "dummy", "--dtype", "bfloat16", "--port", str(port), "--host", "127.0.0.1",
               "--max-model-len", str(args.serve_input_len + args.serve_output_len + 16),
               "--max-num-seqs", str(max(args.concurrency)), "--served-model-name", SERVED_NAME]
     if engine.name == "vllm":  # (the `vllm` script looks up a distribution named vllm; the CPU build's is vllm-cpu)
         return [engine.python, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(folder),
-                "--skip-tokenizer-init", *common]
-    return [engine.python, "-m", "pagedllm", "serve", str(folder), *common]
+                "--skip-tokenizer-init", *common]  # (its KV cache: VLLM_CPU_KVCACHE_SPACE, in Server)
+    return [engine.python, "-m", "pagedllm", "serve", str(folder), "--kv-cache-memory", f"{kv_gib}GiB", *common]
 
 
 def wait_until_serving(proc: subprocess.Popen, base: str, timeout: float, log: Path) -> None:
@@ -123,12 +138,15 @@ def wait_until_serving(proc: subprocess.Popen, base: str, timeout: float, log: P
 class Server:
     """One engine's OpenAI server on a free port, its output in a log file."""
 
-    def __init__(self, engine: Engine, folder: Path, args: argparse.Namespace, scratch: Path) -> None:
+    def __init__(self, engine: Engine, folder: Path, args: argparse.Namespace, scratch: Path, kv_gib: int) -> None:
         self.engine, self.port = engine, free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = scratch / f"{engine.label}-server.log"
+        env = engine.environ()
+        if engine.name == "vllm":
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_gib))
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(server_command(engine, folder, self.port, args), env=engine.environ(),
+            self.proc = subprocess.Popen(server_command(engine, folder, self.port, args, kv_gib), env=env,
                                          stdout=out, stderr=subprocess.STDOUT)
 
     def load(self, prompts: list, concurrency: int) -> dict:
@@ -163,10 +181,11 @@ def run_serving(engines: tuple[Engine, Engine], folder: Path, vocab: int, args: 
     from pagedllm.bench.serve import random_prompts
 
     servers = []
+    kv_gib = serving_kv_gib(folder, args)
     try:
-        for engine in engines:
-            servers.append(Server(engine, folder, args, scratch))
-        for server in servers:
+        for engine in engines:  # one at a time: each plans its memory with the other already up
+            server = Server(engine, folder, args, scratch, kv_gib)
+            servers.append(server)
             wait_until_serving(server.proc, server.base, args.timeout, server.log)
             server.load(random_prompts(1, args.serve_input_len, args.serve_output_len, 0.0, vocab, seed=999), 1)
         results: dict[str, list[dict]] = {e.label: [] for e in engines}
