@@ -101,7 +101,7 @@ def serving_kv_gib(folder: Path, args: argparse.Namespace) -> int:
 
     per_token = kv_bytes_per_token(load_hf_config(folder), torch.bfloat16)
     tokens = max(args.concurrency) * (args.serve_input_len + args.serve_output_len + 16)
-    return max(1, -(-per_token * tokens * 5 // 4) // 2**30)  # (a quarter more: block rounding)
+    return max(1, -(-per_token * tokens * 5 // (4 * 2**30)))  # rounded up, with a quarter more for block rounding
 
 
 def server_command(engine: Engine, folder: Path, port: int, args: argparse.Namespace, kv_gib: int) -> list[str]:

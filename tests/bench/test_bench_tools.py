@@ -314,3 +314,18 @@ def test_bench_compare_refuses_bad_arguments(argv, match, capsys):
     with pytest.raises(SystemExit):
         compare_main(["--peer-python", sys.executable, *argv])
     assert match in capsys.readouterr().err
+
+
+def test_bench_compare_gives_both_servers_the_kv_cache_of_their_longest_sequences(tmp_path):
+    """Whole GiB, rounded up, holding --concurrency sequences of input + output (+16) tokens with a quarter more:
+    Qwen3-0.6B's bf16 KV is 2 x 28 layers x 8 heads x 128 x 2 bytes = 114,688 bytes a token."""
+    import argparse
+
+    from pagedllm.bench.compare import model_folder, serving_kv_gib
+
+    folder = model_folder("qwen3-0.6b", tmp_path)
+    args = argparse.Namespace(concurrency=[1, 8, 32], serve_input_len=256, serve_output_len=128)
+    assert 114_688 * 32 * 400 * 5 / 4 / 2**30 == pytest.approx(1.709, abs=1e-3)
+    assert serving_kv_gib(folder, args) == 2
+    args.concurrency = [1]
+    assert serving_kv_gib(folder, args) == 1
