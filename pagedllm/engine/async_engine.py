@@ -16,6 +16,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
+from pagedllm.executor.openmp import release_thread_pool
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -55,6 +56,9 @@ class AsyncLLMEngine:
         self._adds_handled = 0  # engine thread
         self._scheduler_waiting = 0  # engine thread
         self._counts = threading.Lock()  # `handled` and the scheduler's count change together
+        # The engine was built on this thread and is stepped on its own from now on: free this thread's
+        # OpenMP pool, or two pools share the cores and every step slows (executor/openmp.py).
+        release_thread_pool()
         self._thread = threading.Thread(target=self._loop, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
