@@ -116,11 +116,11 @@ def test_decode_kernel_ignores_what_lies_before_the_window():
     v_cache = torch.randn(kv_heads, 8 * bs, head_dim, generator=gen).bfloat16()
     table, lens = torch.tensor([[5, 2, 3]]), torch.tensor([45])  # keys 0..44; a window of 20 sees 25..44
     q = torch.randn(1, heads, head_dim, generator=gen).bfloat16()
-    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 20, None)
+    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 20, None, None)
     k_cache[:, 5 * bs:6 * bs] = float("nan")  # block 5: keys 0..15
     k_cache[:, 2 * bs:2 * bs + 9] = float("nan")  # keys 16..24 of block 2, before the window in its tile
     v_cache[:, 2 * bs:2 * bs + 9] = float("inf")
-    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 20, None)
+    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 20, None, None)
     assert torch.isfinite(dirty.float()).all()
     assert torch.equal(dirty, clean)
 
@@ -137,11 +137,11 @@ def test_decode_kernel_ignores_what_lies_past_the_last_key(head_dim):
     v_cache = torch.randn(kv_heads, 8 * bs, head_dim, generator=gen).bfloat16()
     table, lens = torch.tensor([[5, 2], [7, 0]]), torch.tensor([21, 16])
     q = torch.randn(2, heads, head_dim, generator=gen).bfloat16()
-    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 0, None)
+    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 0, None, None)
     k_cache[:, 2 * bs + 5:3 * bs] = float("nan")  # block 2 after the 21st key of sequence 0
     v_cache[:, 2 * bs + 5:3 * bs] = float("inf")
     k_cache[:, 0:bs] = float("nan")  # block 0: sequence 1's second block, beyond its 16 keys
-    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 0, None)
+    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 0, None, None)
     assert torch.isfinite(dirty.float()).all()
     assert torch.equal(dirty, clean)
 
@@ -159,6 +159,40 @@ def test_decode_kernel_in_a_step_with_prefill_chunks():
     ours = _run(attn, step, q, k, v, True)
     twin = _run(attn, step, q, k, v, False)
     torch.testing.assert_close(ours, twin, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(14, 2, 64, 16), (8, 8, 32, 12)])
+@pytest.mark.parametrize("window,sinks", [(None, False), (7, False), (None, True), (20, True)])
+@pytest.mark.parametrize("starts,lengths", [
+    ([0, 0, 0], [37, 16, 1]),  # fresh prompts only: the group is the whole step (no index maps)
+    ([0, 40, 150, 9], [30, 23, 2, 1]),  # chunks after earlier ones (keys before the step's queries), a decode
+])
+def test_prefill_queries_take_the_kernel_each_as_a_sequence_of_its_own(dtype, tol, heads, kv_heads, head_dim,
+                                                                      block_size, window, sinks, starts, lengths,
+                                                                      monkeypatch):
+    """Prefill groups through the decode kernel, every token a query over its request's keys 0..its position
+    (causal, windows and sinks as in decode), equal to the torch path's masked SDPA; PyTorch's attention is
+    not called."""
+    gen = torch.Generator().manual_seed(7)
+    attn = _attention(heads, kv_heads, head_dim, dtype, 64, block_size, gen)
+    attn.sliding_window = window
+    if sinks:
+        attn.enable_sinks()
+        attn.sinks.data = torch.randn(heads, generator=gen).to(dtype)
+    step = _step(starts, lengths, block_size, 64, gen)
+    tokens = sum(lengths)
+    q, k, v = (torch.randn(tokens, h, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    twin = _run(attn, step, q, k, v, False)
+    import torch.nn.functional as F
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the cpu backend called PyTorch's attention")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", refused)
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", refused)
+    ours = _run(attn, step, q, k, v, True)
+    torch.testing.assert_close(ours.float(), twin.float(), rtol=tol, atol=tol)
 
 
 def _shape(head_dim=64, dtype=torch.float32, kv_dtype=None):
@@ -345,12 +379,12 @@ def test_kernels_refuse_indices_outside_their_tables():
     kernels = cpu_kernels()
     cache = torch.zeros(2, 4 * 16, 64)
     q = torch.zeros(1, 4, 64)
-    ok = kernels.paged_decode_attention(q, cache, cache, torch.tensor([[3]]), torch.tensor([16]), 0.125, 16, 0, None)
+    ok = kernels.paged_decode_attention(q, cache, cache, torch.tensor([[3]]), torch.tensor([16]), 0.125, 16, 0, None, None)
     assert ok.shape == (1, 4, 64)
     with pytest.raises(RuntimeError, match="outside the KV cache"):
-        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[4]]), torch.tensor([5]), 0.125, 16, 0, None)
+        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[4]]), torch.tensor([5]), 0.125, 16, 0, None, None)
     with pytest.raises(RuntimeError, match="keys; its block table holds"):
-        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125, 16, 0, None)
+        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125, 16, 0, None, None)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         kernels.rotary_embedding(torch.zeros(2, 1, 8), torch.tensor([0, 10]), torch.zeros(10, 8), torch.zeros(10, 8))
 

@@ -1,8 +1,8 @@
-"""The `cpu` attention backend: the torch backend's groups, with cpu_kernels' native ops where they
-apply: decode groups attend straight from the cache through the block tables (no gathered copy of
-K/V), and each layer's K/V rows are written by one native call. Prefill groups use the torch path,
-except in batch-invariant mode, where every query of the step, prefill ones too, goes through the
-decode kernel as if it were a sequence of its own (batch_invariant.py)."""
+"""The `cpu` attention backend: the torch backend's groups, with cpu_kernels' native ops: every group attends
+straight from the cache through the block tables (no gathered copy of K/V), decode groups one query per request,
+prefill groups one query per token, each as a sequence of its own (its request's blocks, its position + 1 keys:
+causal with no mask); each layer's K/V rows are written by one native call. In batch-invariant mode every query
+of the step is also its own request for the metadata (batch_invariant.py)."""
 from __future__ import annotations
 
 import torch

@@ -5,7 +5,8 @@
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
-                                  int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks);
+                                  int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks,
+                                  const c10::optional<at::Tensor>& table_rows);
 void write_kv_cache(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
                     const at::Tensor& v);
 at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
