@@ -116,11 +116,11 @@ def test_decode_kernel_ignores_what_lies_before_the_window():
     v_cache = torch.randn(kv_heads, 8 * bs, head_dim, generator=gen).bfloat16()
     table, lens = torch.tensor([[5, 2, 3]]), torch.tensor([45])  # keys 0..44; a window of 20 sees 25..44
     q = torch.randn(1, heads, head_dim, generator=gen).bfloat16()
-    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 20, None, None)
+    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 20, None)
     k_cache[:, 5 * bs:6 * bs] = float("nan")  # block 5: keys 0..15
     k_cache[:, 2 * bs:2 * bs + 9] = float("nan")  # keys 16..24 of block 2, before the window in its tile
     v_cache[:, 2 * bs:2 * bs + 9] = float("inf")
-    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 20, None, None)
+    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 20, None)
     assert torch.isfinite(dirty.float()).all()
     assert torch.equal(dirty, clean)
 
@@ -137,11 +137,11 @@ def test_decode_kernel_ignores_what_lies_past_the_last_key(head_dim):
     v_cache = torch.randn(kv_heads, 8 * bs, head_dim, generator=gen).bfloat16()
     table, lens = torch.tensor([[5, 2], [7, 0]]), torch.tensor([21, 16])
     q = torch.randn(2, heads, head_dim, generator=gen).bfloat16()
-    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 0, None, None)
+    clean = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 0, None)
     k_cache[:, 2 * bs + 5:3 * bs] = float("nan")  # block 2 after the 21st key of sequence 0
     v_cache[:, 2 * bs + 5:3 * bs] = float("inf")
     k_cache[:, 0:bs] = float("nan")  # block 0: sequence 1's second block, beyond its 16 keys
-    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 0, None, None)
+    dirty = kernels.paged_decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, bs, 0, None)
     assert torch.isfinite(dirty.float()).all()
     assert torch.equal(dirty, clean)
 
@@ -168,12 +168,11 @@ def test_decode_kernel_in_a_step_with_prefill_chunks():
     ([0, 0, 0], [37, 16, 1]),  # fresh prompts only: the group is the whole step (no index maps)
     ([0, 40, 150, 9], [30, 23, 2, 1]),  # chunks after earlier ones (keys before the step's queries), a decode
 ])
-def test_prefill_queries_take_the_kernel_each_as_a_sequence_of_its_own(dtype, tol, heads, kv_heads, head_dim,
-                                                                      block_size, window, sinks, starts, lengths,
-                                                                      monkeypatch):
-    """Prefill groups through the decode kernel, every token a query over its request's keys 0..its position
-    (causal, windows and sinks as in decode), equal to the torch path's masked SDPA; PyTorch's attention is
-    not called."""
+def test_prefill_kernel_matches_the_pytorch_path(dtype, tol, heads, kv_heads, head_dim, block_size, window, sinks,
+                                                 starts, lengths, monkeypatch):
+    """Prefill groups through the prefill kernel, each query over its request's keys 0..its position (causal,
+    windows and sinks as in decode; prompts longer and shorter than its 16-query blocks), equal to the torch
+    path's masked SDPA; PyTorch's attention is not called."""
     gen = torch.Generator().manual_seed(7)
     attn = _attention(heads, kv_heads, head_dim, dtype, 64, block_size, gen)
     attn.sliding_window = window
@@ -193,6 +192,41 @@ def test_prefill_queries_take_the_kernel_each_as_a_sequence_of_its_own(dtype, to
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", refused)
     ours = _run(attn, step, q, k, v, True)
     torch.testing.assert_close(ours.float(), twin.float(), rtol=tol, atol=tol)
+
+
+def test_prefill_kernel_reads_no_key_outside_its_queries_windows():
+    """Slots past a request's last key and blocks before its earliest query's window (given back to the pool,
+    the table's entry the null block) hold NaN and inf: none of it reaches the output."""
+    kernels = cpu_kernels()
+    gen = torch.Generator().manual_seed(6)
+    heads, kv_heads, bs, head_dim, window = 8, 2, 16, 64, 20
+    k_cache = torch.randn(kv_heads, 10 * bs, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(kv_heads, 10 * bs, head_dim, generator=gen).bfloat16()
+    table = torch.tensor([[5, 2, 3, 7]])  # a chunk of 19 queries at positions 40..58: keys 21..58 are read
+    q = torch.randn(19, heads, head_dim, generator=gen).bfloat16()
+    args = (table, torch.tensor([0]), torch.tensor([19]), torch.tensor([40]), head_dim ** -0.5, bs, window, None)
+    clean = kernels.paged_prefill_attention(q, k_cache, v_cache, *args)
+    k_cache[:, 5 * bs:6 * bs] = float("nan")  # block 5: keys 0..15, before every query's window
+    k_cache[:, 2 * bs:2 * bs + 5] = float("nan")  # keys 16..20 of block 2
+    v_cache[:, 2 * bs:2 * bs + 5] = float("inf")
+    k_cache[:, 7 * bs + 11:8 * bs] = float("nan")  # past the last key (58) in block 7
+    v_cache[:, 7 * bs + 11:8 * bs] = float("inf")
+    dirty = kernels.paged_prefill_attention(q, k_cache, v_cache, *args)
+    assert torch.isfinite(dirty.float()).all()
+    assert torch.equal(dirty, clean)
+
+
+def test_prefill_kernel_refuses_indices_outside_its_inputs():
+    kernels = cpu_kernels()
+    q, cache = torch.zeros(4, 2, 64), torch.zeros(1, 32, 64)
+    ok = (torch.tensor([[1]]), torch.tensor([0]), torch.tensor([4]), torch.tensor([0]), 0.125, 16, 0, None)
+    assert kernels.paged_prefill_attention(q, cache, cache, *ok).shape == q.shape
+    with pytest.raises(RuntimeError, match="outside q"):
+        kernels.paged_prefill_attention(q, cache, cache, ok[0], torch.tensor([1]), torch.tensor([4]), *ok[3:])
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        kernels.paged_prefill_attention(q, cache, cache, torch.tensor([[2]]), *ok[1:])
+    with pytest.raises(RuntimeError, match="its block table holds"):
+        kernels.paged_prefill_attention(q, cache, cache, ok[0], ok[1], ok[2], torch.tensor([13]), *ok[4:])
 
 
 def _shape(head_dim=64, dtype=torch.float32, kv_dtype=None):
@@ -379,12 +413,12 @@ def test_kernels_refuse_indices_outside_their_tables():
     kernels = cpu_kernels()
     cache = torch.zeros(2, 4 * 16, 64)
     q = torch.zeros(1, 4, 64)
-    ok = kernels.paged_decode_attention(q, cache, cache, torch.tensor([[3]]), torch.tensor([16]), 0.125, 16, 0, None, None)
+    ok = kernels.paged_decode_attention(q, cache, cache, torch.tensor([[3]]), torch.tensor([16]), 0.125, 16, 0, None)
     assert ok.shape == (1, 4, 64)
     with pytest.raises(RuntimeError, match="outside the KV cache"):
-        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[4]]), torch.tensor([5]), 0.125, 16, 0, None, None)
+        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[4]]), torch.tensor([5]), 0.125, 16, 0, None)
     with pytest.raises(RuntimeError, match="keys; its block table holds"):
-        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125, 16, 0, None, None)
+        kernels.paged_decode_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([17]), 0.125, 16, 0, None)
     with pytest.raises(RuntimeError, match="outside the rotary table"):
         kernels.rotary_embedding(torch.zeros(2, 1, 8), torch.tensor([0, 10]), torch.zeros(10, 8), torch.zeros(10, 8))
 

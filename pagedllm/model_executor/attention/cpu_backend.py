@@ -1,8 +1,8 @@
 """The `cpu` attention backend: the torch backend's groups, with cpu_kernels' native ops: every group attends
-straight from the cache through the block tables (no gathered copy of K/V), decode groups one query per request,
-prefill groups one query per token, each as a sequence of its own (its request's blocks, its position + 1 keys:
-causal with no mask); each layer's K/V rows are written by one native call. In batch-invariant mode every query
-of the step is also its own request for the metadata (batch_invariant.py)."""
+straight from the cache through the block tables (no gathered copy of K/V, no mask): decode groups one query per
+request, prefill groups 16 queries of a request at a time (prefill_attention.cpp); each layer's K/V rows are
+written by one native call. In batch-invariant mode every query of the step is a request of its own, attended to
+by the decode kernel (batch_invariant.py)."""
 from __future__ import annotations
 
 import torch
@@ -37,4 +37,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def decode_kernel(self, layer: PagedAttention, q: torch.Tensor):
         return self.kernels.paged_decode_attention  # (sliding windows and sinks included)
+
+    def prefill_kernel(self, layer: PagedAttention, q: torch.Tensor):
+        return self.kernels.paged_prefill_attention  # (sliding windows and sinks included)
 

@@ -36,10 +36,11 @@ class AttentionGroup:
     is_decode: bool  # every request has exactly one query
     covers_step: bool  # a decode group of every token in the step, in flat order (no index maps needed)
     in_step_order: bool  # the group's real queries are every token of the step, in flat order (dest_index = arange)
-    # Each real query (in dest_index's order) as a sequence of its own, for a decode kernel run over a prefill
-    # group: the row of block_index it reads, and its keys (its position + 1).
-    query_rows: torch.Tensor
-    query_key_lens: torch.Tensor
+    # For a prefill kernel over the group's real queries (in dest_index's order, request after request): where
+    # each request's queries start among them, how many it has, and the first one's position.
+    query_offsets: torch.Tensor  # (B,) int64
+    query_counts: torch.Tensor  # (B,) int64
+    first_positions: torch.Tensor  # (B,) int64
     # Shared by every layer in this step: gather buffers (kv_heads, B, keys, dim) for K and V, and the
     # row ids of the group's blocks in a cache's (kv_heads * blocks, block) view; windowed masks.
     scratch: dict[tuple, object] = field(default_factory=dict)
@@ -80,22 +81,27 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer: PagedAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: GroupedMetadata) -> torch.Tensor:
         self.write_kv(layer, meta.slot_mapping, k, v)
-        kernel = self.decode_kernel(layer, q)
+        kernel, prefill_kernel = self.decode_kernel(layer, q), self.prefill_kernel(layer, q)
         # A group that covers the step returns its own output: no tensor to scatter into.
-        whole = meta.groups and (meta.groups[0].covers_step or kernel is not None and meta.groups[0].in_step_order)
+        first = meta.groups[0] if meta.groups else None
+        whole = first is not None and (first.covers_step or prefill_kernel is not None and first.in_step_order)
         out = None if whole else torch.empty_like(q)
+        window = layer.sliding_window or 0
         for g in meta.groups:
-            if kernel is not None:
-                # Straight from the cache through the block tables: no gathered copy of K/V. A prefill group's
-                # queries each attend as a sequence of their own (its request's blocks, its position + 1 keys):
-                # causal without a mask, padding or gathered K/V (8 x 256-token prompts, Qwen2.5-0.5B heads:
-                # 7.4 ms a layer against SDPA's 12.0).
-                lens, rows = (g.key_lens, None) if g.is_decode else (g.query_key_lens, g.query_rows)
-                args = (layer.k_cache, layer.v_cache, g.block_index, lens, layer.scale, meta.block_size,
-                        layer.sliding_window or 0, layer.sinks, rows)
-                if g.in_step_order:
+            # The kernels read straight from the cache through the block tables: no gathered copy of K/V.
+            if g.is_decode and kernel is not None:
+                args = (layer.k_cache, layer.v_cache, g.block_index, g.key_lens, layer.scale, meta.block_size, window,
+                        layer.sinks)
+                if g.covers_step:
                     return kernel(q, *args)
                 out[g.dest_index] = kernel(q[g.dest_index], *args)
+                continue
+            if not g.is_decode and prefill_kernel is not None:
+                args = (layer.k_cache, layer.v_cache, g.block_index, g.query_offsets, g.query_counts, g.first_positions,
+                        layer.scale, meta.block_size, window, layer.sinks)
+                if g.in_step_order:
+                    return prefill_kernel(q, *args)
+                out[g.dest_index] = prefill_kernel(q[g.dest_index], *args)
                 continue
             # One gather per tensor of the group's whole blocks, already (kv_heads, B, keys, dim):
             # the head-major cache makes each block of one head a contiguous run of positions.
@@ -126,10 +132,14 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(layer.v_cache, slots, v, layer.v_scale)
 
     def decode_kernel(self, layer: PagedAttention, q: torch.Tensor):
-        """A kernel that attends one query per sequence straight from the cache, or None (gather + matmuls):
-        kernel(q, k_cache, v_cache, block_table, key_lens, scale, block_size, window, sinks, table_rows), where
-        table_rows (None: one row per query) gives the block_table row of each query. With one, every group
-        takes it, prefill ones too (each query a sequence of its own)."""
+        """A kernel that attends one query per request straight from the cache, or None (gather + matmuls):
+        kernel(q, k_cache, v_cache, block_table, key_lens, scale, block_size, window, sinks)."""
+        return None
+
+    def prefill_kernel(self, layer: PagedAttention, q: torch.Tensor):
+        """A kernel that attends a prefill group's queries causally straight from the cache, or None (gather +
+        SDPA under a mask): kernel(q, k_cache, v_cache, block_table, query_offsets, query_counts,
+        first_positions, scale, block_size, window, sinks)."""
         return None
 
 
@@ -199,7 +209,6 @@ def _build_group(members, start, lens, offsets, table, block_size, device) -> At
     mask = kv_pos[None, None, :] <= q_abs[:, :, None]
     mask = torch.where(real[:, :, None], mask, kv_pos[None, None, :] == 0)
     flat_real = real.flatten()
-    query_rows, _ = torch.nonzero(real, as_tuple=True)  # row-major: dest_index's order
     return AttentionGroup(
         query_index=query_index.to(device),
         dest_index=query_index.flatten()[flat_real].to(device),
@@ -211,6 +220,7 @@ def _build_group(members, start, lens, offsets, table, block_size, device) -> At
         is_decode=max_q == 1,
         covers_step=max_q == 1 and len(members) == len(lens),
         in_step_order=len(members) == len(lens),
-        query_rows=query_rows.to(device),
-        query_key_lens=(q_abs[real] + 1).to(device),
+        query_offsets=(torch.cumsum(g_len, 0) - g_len).to(device),
+        query_counts=g_len.to(device),
+        first_positions=g_start.to(device),
     )

@@ -26,7 +26,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _HEADER = "common.h"
-_SOURCES = ("decode_attention.cpp", "elementwise.cpp", "gemv.cpp", "greedy.cpp", "packed_linear.cpp", "quant_gemv.cpp")
+_SOURCES = ("decode_attention.cpp", "prefill_attention.cpp", "elementwise.cpp", "gemv.cpp", "greedy.cpp", "packed_linear.cpp", "quant_gemv.cpp")
 _BINDINGS = "bindings.cpp"  # the Python module: its own unit, compiled beside the kernels' one
 # -O3 with the reassociation that lets the compiler vectorise dot products (no -ffast-math: its
 # assumptions about infinities and NaN are not ours to make).

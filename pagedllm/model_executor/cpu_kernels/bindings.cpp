@@ -5,8 +5,11 @@
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
-                                  int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks,
-                                  const c10::optional<at::Tensor>& table_rows);
+                                  int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks);
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_table, const at::Tensor& q_offsets,
+                                   const at::Tensor& q_counts, const at::Tensor& first_positions, double scale,
+                                   int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks);
 void write_kv_cache(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
                     const at::Tensor& v);
 at::Tensor rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight,
@@ -41,6 +44,7 @@ at::Tensor int4_dequantize(const at::Tensor& weight, const at::Tensor& scale, co
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   PAGEDLLM_DEF(paged_decode_attention);
+  PAGEDLLM_DEF(paged_prefill_attention);
   PAGEDLLM_DEF(write_kv_cache);
   PAGEDLLM_DEF(rms_norm);
   PAGEDLLM_DEF(silu_and_mul);

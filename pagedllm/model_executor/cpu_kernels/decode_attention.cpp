@@ -45,8 +45,8 @@ inline void score_tile(const c10::BFloat16* keys, int64_t k_slot, const uint32_t
 // NC: head_dim / 16, a constant so a key or value row stays in registers.
 template <typename T, int NC>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                      const at::Tensor& block_table, const int64_t* table_rows, const at::Tensor& key_lens,
-                      double scale, int64_t block_size, int64_t window, const float* sinks, at::Tensor& out) {
+                      const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
+                      int64_t block_size, int64_t window, const float* sinks, at::Tensor& out) {
   constexpr int64_t dim = NC * 16;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1);
   const int64_t num_kv_heads = k_cache.size(0);
@@ -89,7 +89,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
       const int64_t n = lens[seq];
       const int64_t first = window > 0 ? std::max<int64_t>(0, n - window) : 0;  // the first key the query sees
       const int64_t first_tile = first / 16 * 16;  // tiles start there (16-key tiles lie inside a block)
-      const int64_t* blocks = table + (table_rows != nullptr ? table_rows[seq] : seq) * table_stride;
+      const int64_t* blocks = table + seq * table_stride;
       // Slot of key s: a shift and a mask for a power-of-two block size (a division costs ~40 cycles).
       auto slot_of = [&](int64_t s) {
         return shift >= 0 ? (blocks[s >> shift] << shift) | (s & (block_size - 1))
@@ -217,11 +217,10 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
 template <typename T>
 void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_table, const int64_t* table_rows, const at::Tensor& key_lens,
-                       double scale, int64_t block_size, int64_t window, const float* sinks, at::Tensor& out) {
-#define PAGEDLLM_DECODE(NC)                                                                                 \
-  decode_attention<T, NC>(q, k_cache, v_cache, block_table, table_rows, key_lens, scale, block_size, window, \
-                          sinks, out)
+                       const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
+                       int64_t block_size, int64_t window, const float* sinks, at::Tensor& out) {
+#define PAGEDLLM_DECODE(NC) \
+  decode_attention<T, NC>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, window, sinks, out)
   switch (q.size(2)) {
     case 32: return PAGEDLLM_DECODE(2);
     case 64: return PAGEDLLM_DECODE(4);
@@ -238,14 +237,11 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at:
 
 // q: (seqs, heads, dim); k_cache, v_cache: (kv_heads, slots, dim), rows contiguous; block_table:
 // (seqs, blocks) int64; key_lens: (seqs,) int64, keys 0 .. len-1 of each sequence are attended to, or with
-// window > 0 the last `window` of them; sinks: None or (heads,) logits added to each softmax's denominator;
-// table_rows: None, or (seqs,) int64, the block_table row of each query (prefill: every token of a request is
-// a query of its own, with its position + 1 keys, over its request's one row). Returns (seqs, heads, dim) in
-// q's dtype.
+// window > 0 the last `window` of them; sinks: None or (heads,) logits added to each softmax's denominator.
+// Returns (seqs, heads, dim) in q's dtype.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
-                                  int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks,
-                                  const c10::optional<at::Tensor>& table_rows) {
+                                  int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -255,19 +251,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_table.scalar_type() == at::kLong && key_lens.scalar_type() == at::kLong,
               "block_table and key_lens must be int64");
   TORCH_CHECK(block_table.stride(1) == 1 && key_lens.is_contiguous(), "index tensors must be contiguous");
-  const int64_t* rows = nullptr;
-  if (table_rows.has_value()) {
-    TORCH_CHECK(table_rows->scalar_type() == at::kLong && table_rows->dim() == 1 && table_rows->is_contiguous() &&
-                    table_rows->size(0) == q.size(0),
-                "table_rows must be a contiguous int64 (seqs,) vector");
-    rows = table_rows->data_ptr<int64_t>();
-    for (int64_t b = 0; b < q.size(0); ++b)
-      TORCH_CHECK(rows[b] >= 0 && rows[b] < block_table.size(0), "table row ", rows[b], " of query ", b,
-                  " is outside the block table (", block_table.size(0), " rows)");
-  } else {
-    TORCH_CHECK(block_table.size(0) == q.size(0), "one block table row per sequence");
-  }
-  TORCH_CHECK(key_lens.size(0) == q.size(0), "one key length per sequence");
+  TORCH_CHECK(key_lens.size(0) == q.size(0) && block_table.size(0) == q.size(0), "one row per sequence");
   TORCH_CHECK(block_size >= 1 && v_cache.sizes() == k_cache.sizes(), "block_size >= 1, K and V caches alike");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   at::Tensor sink_logits;  // float32, one per query head
@@ -284,7 +268,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "sequence ", b, " has ", lens[b],
                 " keys; its block table holds 1 .. ", width * block_size);
     for (int64_t j = 0; j < (lens[b] + block_size - 1) / block_size; ++j) {
-      const int64_t block = table[(rows != nullptr ? rows[b] : b) * block_table.stride(0) + j];
+      const int64_t block = table[b * block_table.stride(0) + j];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is outside the KV cache (", num_blocks,
                   " blocks)");
     }
@@ -292,16 +276,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   switch (q.scalar_type()) {
     case at::kFloat:
-      dispatch_head_dim<float>(q, k_cache, v_cache, block_table, rows, key_lens, scale, block_size, window, sink_data,
-                               out);
+      dispatch_head_dim<float>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, window, sink_data, out);
       break;
     case at::kBFloat16:
-      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, block_table, rows, key_lens, scale, block_size, window,
+      dispatch_head_dim<c10::BFloat16>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, window,
                                       sink_data, out);
       break;
     case at::kHalf:
-      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, block_table, rows, key_lens, scale, block_size, window,
-                                  sink_data, out);
+      dispatch_head_dim<c10::Half>(q, k_cache, v_cache, block_table, key_lens, scale, block_size, window, sink_data,
+                                  out);
       break;
     default:
       TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
