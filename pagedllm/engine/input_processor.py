@@ -89,16 +89,17 @@ class InputProcessor:
         raise InvalidPromptError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
-                            add_generation_prompt: bool = True, tools: list[dict] | None = None
-                            ) -> tuple[str, list[int]]:
+                            add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """Render a conversation (and the tools it may call) with the model's (or the given) chat template ->
-        (text, token ids)."""
+        (text, token ids). `template_kwargs`: more variables for the template (`enable_thinking`)."""
         if self.tokenizer is None:
             raise InvalidPromptError("chat needs a tokenizer with a chat template; this model has no tokenizer")
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise InvalidPromptError("this model's tokenizer has no chat template; pass one (--chat-template)")
         text = self.tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, tools=tools)
+                                                  add_generation_prompt=add_generation_prompt, tools=tools,
+                                                  **(template_kwargs or {}))
         # The template already holds the special tokens (BOS): don't add them twice.
         return text, self.tokenizer.encode(text, add_special_tokens=False)
 

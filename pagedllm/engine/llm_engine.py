@@ -187,11 +187,11 @@ class LLMEngine:
         return self.inputs.tokenize_prompt(prompt)
 
     def apply_chat_template(self, messages: list[dict], chat_template: str | None = None,
-                            add_generation_prompt: bool = True, tools: list[dict] | None = None
-                            ) -> tuple[str, list[int]]:
+                            add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                            template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """Render a conversation (and the tools it may call) with the model's (or the given) chat template ->
-        (text, token ids)."""
-        return self.inputs.apply_chat_template(messages, chat_template, add_generation_prompt, tools)
+        (text, token ids). `template_kwargs`: more variables for the template (`enable_thinking`)."""
+        return self.inputs.apply_chat_template(messages, chat_template, add_generation_prompt, tools, template_kwargs)
 
     def check_priority(self, priority: int) -> None:
         """Refused unless the scheduling policy is `priority` (InputProcessor.check_priority)."""

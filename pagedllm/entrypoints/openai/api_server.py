@@ -23,6 +23,7 @@ from pagedllm.entrypoints.openai.generation_defaults import GenerationDefaults, 
 from pagedllm.entrypoints.openai.limits import RequestLimits, add_limit_args
 from pagedllm.entrypoints.openai.request_templates import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.shutdown import CLOSE_GRACE_S, DrainingServer
+from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from pagedllm.entrypoints.openai.routes import build_app
 from pagedllm.metrics import EngineMetrics
@@ -61,6 +62,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="how tool calls are read from the model's reply: hermes (<tool_call> blocks: Qwen, Hermes) "
                         "or llama3_json (a JSON object: Llama 3.1+)")
+    g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS) + ["gpt_oss"],
+                   help="send a thinking model's think block (<think> ... </think>) as reasoning_content, apart from "
+                        "the answer's content: deepseek_r1 or qwen3 (both read the block; whether the reply starts "
+                        "inside it is read from the rendered prompt)")
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a request's head (request line and headers) may take to arrive; slower "
                         "connections are closed")
@@ -130,6 +135,9 @@ def run_server(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import load_tokenizer
 
     refuse_unimplemented(ns)
+    if ns.reasoning_parser == "gpt_oss":
+        raise ValueError("--reasoning-parser gpt_oss (harmony channels) is not implemented yet, and pagedllm never "
+                         "accepts a flag it would ignore; deepseek_r1 and qwen3 are (think blocks).")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     chat_template = _read_chat_template(ns.chat_template)
@@ -164,7 +172,7 @@ def run_server(ns: argparse.Namespace) -> int:
     app = build_app(engine, names, api_key, chat_template, metrics, audio, ns.max_request_body_bytes,
                     ns.max_waiting_requests, ns.tool_call_parser if ns.enable_auto_tool_choice else None,
                     RequestLimits.from_args(ns), request_templates, ns.body_timeout, ns.require_api_key_for_metrics,
-                    generation_defaults)
+                    generation_defaults, ns.reasoning_parser)
     generation_defaults.log(ns.generation_config)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
                 llm_engine.config.model.max_model_len)

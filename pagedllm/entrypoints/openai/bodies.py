@@ -150,6 +150,7 @@ class ToolCallDelta(Body):
 class ChatMessageOut(Body):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # with --reasoning-parser: the think block (vLLM's name)
     audio: ChatAudio | None = None
     tool_calls: list[ToolCallOut] | None = None
 
@@ -183,6 +184,7 @@ class ChatAudioDelta(Body):
 class ChatDelta(Body):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
     audio: ChatAudioDelta | None = None
 

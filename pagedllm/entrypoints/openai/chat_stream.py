@@ -1,9 +1,11 @@
 """A streamed chat completion's choices, one streamer each, by how its reply is read: plain text; tool calls under
 a constraint (tool_choice required or a named function), streamed as they are written; a free reply with tools
 (tool_choice auto), its content streamed and its calls sent once it is complete. Each turns the choice's output
-so far into the chunk choices to send now. A new mode (reasoning output) is a new streamer."""
+so far into the chunk choices to send now. With a reasoning parser, a reply's think block streams as
+reasoning_content and the streamer of its mode reads only the answer after it."""
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 
 from pagedllm.entrypoints.openai.bodies import (
@@ -15,6 +17,7 @@ from pagedllm.entrypoints.openai.bodies import (
     ToolCallDelta,
     TopLogprob,
 )
+from pagedllm.entrypoints.openai.reasoning import ReasoningCursor, split_reasoning
 from pagedllm.entrypoints.openai.tool_calls import ConstrainedCallReader, ToolCall, content_so_far
 from pagedllm.entrypoints.openai.tool_use import ToolUse
 from pagedllm.outputs import CompletionOutput
@@ -163,9 +166,40 @@ class FreeReplyStreamer(ChoiceStreamer):
         return out
 
 
-def streamer_for(index: int, tools: ToolUse, stops: list[str], top_logprobs: int | None) -> ChoiceStreamer:
+def answer_of(c: CompletionOutput, in_reasoning: bool) -> tuple[CompletionOutput, str | None]:
+    """A finished sample's answer (the sample with its text cut to what follows the think block) and its
+    reasoning (None: no block)."""
+    split = split_reasoning(c.text, in_reasoning)
+    return dataclasses.replace(c, text=split.content), split.reasoning
+
+
+class ReasoningStreamer(ChoiceStreamer):
+    """A thinking model's reply: its think block's new text as reasoning_content, then the answer's chunks from
+    the streamer of the reply's mode, which sees the text after the block only. Text that may still start a
+    stop string is held back here too (the engine cuts a stop string out of the text it ends)."""
+
+    def __init__(self, index: int, answer: ChoiceStreamer, in_reasoning: bool, stops: list[str]) -> None:
+        super().__init__(index)
+        self.answer = answer
+        self.cursor = ReasoningCursor(in_reasoning)
+        self.hold = max((len(s) for s in stops), default=1) - 1
+
+    def chunks(self, c: CompletionOutput) -> list[ChatChunkChoice]:
+        finished = c.finished()
+        text = c.text if finished else c.text[:max(0, len(c.text) - self.hold)]
+        reasoning, _ = self.cursor.advance(text, finished)
+        out = [ChatChunkChoice(index=self.index, delta=ChatDelta(reasoning_content=reasoning))] if reasoning else []
+        content = split_reasoning(text, self.cursor.in_reasoning, finished).content
+        return out + self.answer.chunks(dataclasses.replace(c, text=content))
+
+
+def streamer_for(index: int, tools: ToolUse, stops: list[str], top_logprobs: int | None,
+                 reasoning: bool = False, in_reasoning: bool = False) -> ChoiceStreamer:
+    """The choice's streamer; `reasoning`: the server reads think blocks (`in_reasoning`: the prompt opened one)."""
     if tools.constraint is not None:
-        return ConstrainedCallStreamer(index, tools)
-    if tools.active:
-        return FreeReplyStreamer(index, tools, bool(stops))
-    return TextStreamer(index, stops, top_logprobs)
+        answer: ChoiceStreamer = ConstrainedCallStreamer(index, tools)
+    elif tools.active:
+        answer = FreeReplyStreamer(index, tools, bool(stops))
+    else:
+        answer = TextStreamer(index, stops, top_logprobs)
+    return ReasoningStreamer(index, answer, in_reasoning, stops) if reasoning else answer

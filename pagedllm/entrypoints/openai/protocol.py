@@ -228,6 +228,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (enable_thinking: false)
     add_generation_prompt: bool = True
     echo: bool = False
     # OpenAI's audio output: modalities ["text", "audio"] and the audio's voice and format.
@@ -262,7 +263,19 @@ class ChatCompletionRequest(_SamplingRequest):
             out.append(("web_search_options", "web search is not supported"))
         if self.top_logprobs is not None and not self.logprobs:
             out.append(("top_logprobs", "top_logprobs needs logprobs=true"))
+        taken = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_VARIABLES)
+        if taken:
+            out.append(("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(taken)}: the request's "
+                                                f"own fields give those"))
         return out
+
+
+# What the chat template's renderer sets itself (transformers' apply_chat_template): not for chat_template_kwargs.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token", "unk_token", "pad_token",
+})
 
 
 class SpeechRequest(LenientModel):

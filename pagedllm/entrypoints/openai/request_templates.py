@@ -34,11 +34,12 @@ class RequestTemplateRenderer:
     _worker: IsolatedWorker | None = field(default=None, init=False, repr=False)
 
     def render(self, template: str, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
-               cancel: threading.Event | None = None) -> str:
+               template_kwargs: dict | None = None, cancel: threading.Event | None = None) -> str:
         if self._worker is None:
             self._worker = IsolatedWorker(f"{__name__}:template_worker", self.special_tokens, self.memory_bytes)
         try:
-            return self._worker.call((template, messages, tools, add_generation_prompt, self.max_chars),
+            return self._worker.call((template, messages, tools, add_generation_prompt, self.max_chars,
+                                      template_kwargs or {}),
                                      self.timeout_s, cancel)
         except WorkerTimeout:
             raise RequestTemplateError(f"the request's chat_template did not render within {self.timeout_s:g} s, "
@@ -57,15 +58,17 @@ class RequestTemplateRenderer:
 
 
 def template_worker(special_tokens: dict[str, str]):
-    """The isolated worker's handler: (template, messages, tools, add_generation_prompt, max_chars) -> text,
+    """The isolated worker's handler: (template, messages, tools, add_generation_prompt, max_chars,
+    template_kwargs) -> text,
     rendered as transformers' apply_chat_template renders (its sandboxed jinja environment and globals)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
     def render(request) -> str:
-        template, messages, tools, add_generation_prompt, max_chars = request
+        template, messages, tools, add_generation_prompt, max_chars, template_kwargs = request
         try:
             rendered, _ = render_jinja_template(conversations=[messages], tools=tools, chat_template=template,
-                                                add_generation_prompt=add_generation_prompt, **special_tokens)
+                                                add_generation_prompt=add_generation_prompt,
+                                                **{**template_kwargs, **special_tokens})
         except MemoryError:
             raise
         except Exception as e:  # jinja's errors (syntax, undefined, raise_exception) with their reason

@@ -64,13 +64,14 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
               max_waiting_requests: int | None = None, tool_call_parser: str | None = None,
               limits: RequestLimits | None = None, request_templates: RequestTemplateRenderer | None = None,
               body_timeout_s: float = 30.0, metrics_need_key: bool = False,
-              generation_defaults: GenerationDefaults | None = None) -> FastAPI:
+              generation_defaults: GenerationDefaults | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """The API; app.state.guard is the ASGI app to serve (the body limit and draining in front of it)."""
     llm_engine = engine.engine
     max_model_len = llm_engine.config.model.max_model_len
     ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests, tool_call_parser,
                          limits=limits or RequestLimits(), request_templates=request_templates,
-                         generation_defaults=generation_defaults or GenerationDefaults())
+                         generation_defaults=generation_defaults or GenerationDefaults(),
+                         reasoning_parser=reasoning_parser)
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key,
                                           body_timeout_s, max_prompt_tokens=max_model_len,

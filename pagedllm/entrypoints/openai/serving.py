@@ -33,10 +33,12 @@ from pagedllm.entrypoints.openai.request_templates import RequestTemplateError, 
 from pagedllm.entrypoints.openai.chat_stream import (
     ChoiceStreamer,
     TextCursor,
+    answer_of,
     chat_logprobs,
     json_logprob,
     streamer_for,
 )
+from pagedllm.entrypoints.openai.reasoning import opens_reasoning
 from pagedllm.entrypoints.openai.tool_use import ToolUse
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.errors import InvalidParameterError, InvalidPromptError
@@ -91,6 +93,7 @@ class ServingContext:
     request_templates: RequestTemplateRenderer | None = None
     # --generation-config / --override-generation-config: sampling defaults, and a cap on max_tokens.
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    reasoning_parser: str | None = None  # --reasoning-parser: think blocks go to reasoning_content (reasoning.py)
 
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested == "":
@@ -171,7 +174,7 @@ class ServingContext:
 
     async def render_chat(self, messages: list[dict], template: str | None, add_generation_prompt: bool,
                           tools: list[dict] | None = None, request_template: str | None = None,
-                          raw: Request | None = None) -> tuple[str, list[int]]:
+                          raw: Request | None = None, template_kwargs: dict | None = None) -> tuple[str, list[int]]:
         """The conversation (and tools) through the chat template -> (text, token ids), off the engine thread.
         Messages that alone cannot fit are refused before any template runs. A `request_template` (the
         request's own) renders in a worker process, and only where the server trusts request templates."""
@@ -185,14 +188,15 @@ class ServingContext:
                                     f"chat_template out to use the model's template.", "chat_template")
             try:
                 text = await self.isolated(self.request_templates.render, raw, request_template, messages, tools,
-                                           add_generation_prompt)
+                                           add_generation_prompt, template_kwargs)
             except RequestTemplateError as e:
                 raise APIError(400, str(e), "chat_template") from None
             await self.refuse_if_too_long(text, "messages", add_special_tokens=False)
             tokenizer = self._tokenizer()
             return text, await self.run(lambda: tokenizer.encode(text, add_special_tokens=False))
         try:
-            return await self.run(engine.apply_chat_template, messages, template, add_generation_prompt, tools)
+            return await self.run(engine.apply_chat_template, messages, template, add_generation_prompt, tools,
+                                  template_kwargs)
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         except Exception as e:  # a template that fails to render on these messages
@@ -529,16 +533,20 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.limits.check(params, 1, params.max_tokens or ctx.max_model_len, "top_logprobs")
     with ctx.admit() as admission:
         text, ids = await ctx.render_chat(messages, ctx.chat_template, req.add_generation_prompt, tools.rendered,
-                                          req.chat_template, raw)
+                                          req.chat_template, raw, req.chat_template_kwargs)
         streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params, req.cache_salt,
                                req.priority, admission, raw)
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+    in_reasoning = ctx.reasoning_parser is not None and opens_reasoning(text)  # the template opened a think block
 
     if not req.stream:
         (out,) = await _collect(streams, raw)
         choices = []
         for c in out.outputs:
-            message, finish = tools.reply(c)
+            answer, reasoning = answer_of(c, in_reasoning) if ctx.reasoning_parser else (c, None)
+            message, finish = tools.reply(answer)
+            if ctx.reasoning_parser:
+                message.reasoning_content = reasoning
             choices.append(ChatChoice(index=c.index, message=message,
                                       logprobs=chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                                       if req.logprobs else None, finish_reason=finish, stop_reason=c.stop_reason))
@@ -561,7 +569,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
                 for c in out.outputs:
                     if c.index not in streamers:
                         streamers[c.index] = streamer_for(c.index, tools, params.stop,
-                                                          (req.top_logprobs or 0) if req.logprobs else None)
+                                                          (req.top_logprobs or 0) if req.logprobs else None,
+                                                          ctx.reasoning_parser is not None, in_reasoning)
                         yield chunk([streamers[c.index].opening()])
                     for choice in streamers[c.index].chunks(c):
                         yield chunk([choice])
