@@ -18,13 +18,14 @@ from pagedllm.entrypoints.openai.audio_args import (
     audio_server_config,
 )
 from pagedllm.entrypoints.openai.connections import uvicorn_config
+from pagedllm.entrypoints.openai.cors import add_cors_args, with_cors
 from pagedllm.errors import WorkerError
 from pagedllm.entrypoints.openai.generation_defaults import GenerationDefaults, add_generation_config_args
 from pagedllm.entrypoints.openai.limits import RequestLimits, add_limit_args
 from pagedllm.entrypoints.openai.request_templates import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.shutdown import CLOSE_GRACE_S, DrainingServer
 from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
-from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS, tool_call_parser_for_template
 from pagedllm.entrypoints.openai.routes import build_app
 from pagedllm.metrics import EngineMetrics
 
@@ -66,6 +67,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="send a thinking model's think block (<think> ... </think>) as reasoning_content, apart from "
                         "the answer's content: deepseek_r1 or qwen3 (both read the block; whether the reply starts "
                         "inside it is read from the rendered prompt)")
+    add_cors_args(g)
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a request's head (request line and headers) may take to arrive; slower "
                         "connections are closed")
@@ -152,6 +154,14 @@ def run_server(ns: argparse.Namespace) -> int:
 
         return serve_data_parallel(ns, api_key)
     tokenizer = load_tokenizer(config.model.tokenizer) if config.model.tokenizer else None
+    tool_call_parser = ns.tool_call_parser if ns.enable_auto_tool_choice else None
+    if not ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        # Chat front-ends (Open WebUI) send their tools with no tool_choice, i.e. auto: read the calls in the
+        # format the model's own template renders, rather than refuse every such chat.
+        tool_call_parser = tool_call_parser_for_template(chat_template or getattr(tokenizer, "chat_template", None))
+        if tool_call_parser is not None:
+            logger.info("tool_choice auto reads %s tool calls: the format the chat template renders tools in "
+                        "(--enable-auto-tool-choice --tool-call-parser NAME to choose)", tool_call_parser)
     audio = audio_server_config(ns)
     if audio.enabled:
         from pagedllm.entrypoints.openai.audio_setup import create_audio_engine
@@ -170,7 +180,7 @@ def run_server(ns: argparse.Namespace) -> int:
         request_templates = RequestTemplateRenderer({k: v for k, v in special.items() if isinstance(v, str)},
                                                     timeout_s=ns.request_chat_template_timeout)
     app = build_app(engine, names, api_key, chat_template, metrics, audio, ns.max_request_body_bytes,
-                    ns.max_waiting_requests, ns.tool_call_parser if ns.enable_auto_tool_choice else None,
+                    ns.max_waiting_requests, tool_call_parser,
                     RequestLimits.from_args(ns), request_templates, ns.body_timeout, ns.require_api_key_for_metrics,
                     generation_defaults, ns.reasoning_parser)
     generation_defaults.log(ns.generation_config)
@@ -182,7 +192,7 @@ def run_server(ns: argparse.Namespace) -> int:
         if request_templates is not None:
             request_templates.shutdown()
 
-    config = uvicorn_config(app.state.guard, ns, CLOSE_GRACE_S, access_log=not ns.disable_log_requests)
+    config = uvicorn_config(with_cors(app.state.guard, ns), ns, CLOSE_GRACE_S, access_log=not ns.disable_log_requests)
     server = DrainingServer(config, app.state.guard, ns.shutdown_timeout, end_requests)
     stop_on_lost_worker.server = server
     try:

@@ -208,6 +208,7 @@ def serve_data_parallel(ns: argparse.Namespace, api_key: str | None) -> int:
     """The router on the user's host and port, in front of ns.data_parallel_size replicas. Exit status 0 after
     a clean drain, 1 after a forced one."""
     from pagedllm.entrypoints.openai.connections import uvicorn_config
+    from pagedllm.entrypoints.openai.cors import with_cors
     from pagedllm.entrypoints.openai.guard import ServerGuard, default_max_body_bytes, open_paths
     from pagedllm.entrypoints.openai.shutdown import CLOSE_GRACE_S, DrainingServer
 
@@ -224,7 +225,7 @@ def serve_data_parallel(ns: argparse.Namespace, api_key: str | None) -> int:
             guard = ServerGuard(app, ns.max_request_body_bytes or default_max_body_bytes(max_model_len), api_key,
                                 ns.body_timeout, max_prompt_tokens=max_model_len,
                                 open_paths=open_paths(ns.require_api_key_for_metrics))
-            config = uvicorn_config(guard, ns, CLOSE_GRACE_S, access_log=not ns.disable_log_requests)
+            config = uvicorn_config(with_cors(guard, ns), ns, CLOSE_GRACE_S, access_log=not ns.disable_log_requests)
             # The replicas drain themselves: the first signal is passed on, and a forced drain is their second.
             server = DrainingServer(config, guard, ns.shutdown_timeout, end_requests=lambda: signal_replicas(replicas),
                                     on_drain=lambda: signal_replicas(replicas))

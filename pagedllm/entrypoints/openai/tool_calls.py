@@ -23,6 +23,19 @@ from pagedllm.errors import InvalidParameterError
 from pagedllm.structured_output import GuidedDecodingParams
 
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+# What a chat template writes when it renders tools, and the parser that reads the calls its model then writes.
+TEMPLATE_TOOL_MARKERS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+
+
+def tool_call_parser_for_template(template: str | dict | None) -> str | None:
+    """The tool call parser a chat template's own call format asks for (Qwen / Hermes: hermes; Llama 3.1+:
+    llama3_json), or None where it shows none: what a server with no --tool-call-parser reads replies with."""
+    if isinstance(template, dict):  # named templates: the default one, or all of them
+        template = template.get("default") or "\n".join(str(t) for t in template.values())
+    for marker, parser in TEMPLATE_TOOL_MARKERS:
+        if template and marker in template:
+            return parser
+    return None
 
 
 @dataclass

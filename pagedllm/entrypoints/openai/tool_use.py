@@ -34,7 +34,8 @@ class ToolUse:
             return cls()
         choice = req.tool_choice if req.tool_choice is not None else "auto"
         if choice == "auto" and tool_call_parser is None:
-            raise APIError(400, "tool_choice auto (the default with tools) needs the server started with "
+            raise APIError(400, "tool_choice auto (the default with tools) needs a tool call parser: this model's "
+                                "chat template shows no call format to pick one from, so start the server with "
                                 "--enable-auto-tool-choice --tool-call-parser NAME; or pass tool_choice required, "
                                 "a named function, or none", "tool_choice")
         return cls(choice, tools, tool_call_parser,
