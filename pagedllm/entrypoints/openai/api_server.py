@@ -66,7 +66,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS) + ["gpt_oss"],
                    help="send a thinking model's think block (<think> ... </think>) as reasoning_content, apart from "
                         "the answer's content: deepseek_r1 or qwen3 (both read the block; whether the reply starts "
-                        "inside it is read from the rendered prompt)")
+                        "inside it is read from the rendered prompt); gpt_oss (harmony channels) is refused at "
+                        "start: not implemented yet")
     add_cors_args(g)
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a request's head (request line and headers) may take to arrive; slower "
