@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 
+from pagedllm.entrypoints.openai.messages_api import MESSAGES_PATHS, anthropic_error_body
 from pagedllm.entrypoints.openai.errors import error_body
 
 # Routes that are served while draining and need no key: probes, metrics, the API's own description.
@@ -68,37 +69,38 @@ class ServerGuard:
             await self.app(scope, receive, send)
             return
         if self.api_key is not None and not self._authorized(scope):
-            await _send_error(send, 401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.",
+            await _send_error(scope, send, 401, "Invalid or missing API key: send 'Authorization: Bearer <key>' (or "
+                                                "'x-api-key: <key>').",
                               {"www-authenticate": "Bearer"})
             return
         if self.draining:
-            await _send_error(send, 503, "The server is shutting down: it accepts no new requests.",
+            await _send_error(scope, send, 503, "The server is shutting down: it accepts no new requests.",
                               {"retry-after": str(RETRY_AFTER_S)})
             return
         length = _content_length(scope)
         if length is not None and length > self.max_body_bytes:
-            await _send_error(send, 413, self._too_large(f"{length} bytes"))
+            await _send_error(scope, send, 413, self._too_large(f"{length} bytes"))
             return
         self.in_flight += 1
         self._idle.clear()
         try:
             body = await self._read_body(receive)
             if body is None:
-                await _send_error(send, 413, self._too_large(f"more than {self.max_body_bytes} bytes"))
+                await _send_error(scope, send, 413, self._too_large(f"more than {self.max_body_bytes} bytes"))
                 return
             if self.max_prompt_tokens is not None and len(body) > LARGE_BODY_BYTES:
                 refusal = await asyncio.to_thread(overlong_token_prompt, body, self.max_prompt_tokens)
                 if refusal is not None:
-                    await _send_error(send, 400, refusal, param="prompt")
+                    await _send_error(scope, send, 400, refusal, param="prompt")
                     return
             await self.app(scope, _replay(body, receive), send)
         except _ClientGone:
             pass
         except _BodyStalled:
-            await _send_error(send, 408, f"The request body stalled: no bytes came for {self.body_timeout_s:g} s "
+            await _send_error(scope, send, 408, f"The request body stalled: no bytes came for {self.body_timeout_s:g} s "
                                          f"(--body-timeout).", {"connection": "close"})
         except _StoppedReading:
-            await _send_error(send, 503, "The server is shutting down: this request's body was still arriving.",
+            await _send_error(scope, send, 503, "The server is shutting down: this request's body was still arriving.",
                               {"connection": "close", "retry-after": str(RETRY_AFTER_S)})
         finally:
             self.in_flight -= 1
@@ -136,8 +138,9 @@ class ServerGuard:
         self._stop_reading.set()
 
     def _authorized(self, scope) -> bool:
+        """A bearer token (OpenAI's clients) or an x-api-key header (Anthropic's) holding the key."""
         header = _header(scope, b"authorization") or b""
-        token = header[7:] if header[:7].lower() == b"bearer " else b""
+        token = header[7:] if header[:7].lower() == b"bearer " else (_header(scope, b"x-api-key") or b"")
         return hmac.compare_digest(token, self.api_key.encode())
 
     def _too_large(self, size: str) -> str:
@@ -198,9 +201,12 @@ def overlong_token_prompt(body: bytes, max_tokens: int) -> str | None:
             f"(refused before parsing the rest of the request).")
 
 
-async def _send_error(send, status: int, message: str, headers: dict[str, str] | None = None,
+async def _send_error(scope, send, status: int, message: str, headers: dict[str, str] | None = None,
                       param: str | None = None) -> None:
-    body = json.dumps(error_body(status, message, param)).encode()
+    """An error in the shape of the API the path belongs to (Anthropic's on the Messages API's, else OpenAI's)."""
+    shaped = anthropic_error_body(status, message) if scope.get("path") in MESSAGES_PATHS else \
+        error_body(status, message, param)
+    body = json.dumps(shaped).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})

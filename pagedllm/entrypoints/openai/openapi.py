@@ -31,12 +31,24 @@ def stream_ok(model: type[BaseModel], description: str, chunk: type[BaseModel] |
 _EVENT_MODELS: dict[str, type[BaseModel]] = {}  # models the event streams' documents refer to
 
 
-def error_responses(*codes: int) -> dict:
+def events_ok(model: type[BaseModel], description: str, event: type[BaseModel]) -> dict:
+    """A 200 that is JSON, or with "stream": true server-sent events each named and holding an `event` as JSON
+    (Anthropic's streams: no [DONE])."""
+    _EVENT_MODELS[event.__name__] = event
+    data = {"type": "string", "contentMediaType": "application/json",
+            "contentSchema": {"$ref": f"#/components/schemas/{event.__name__}"}}
+    schema = {"type": "object", "required": ["data", "event"],
+              "properties": {"data": data, "event": {"type": "string"}},
+              "description": f"one server-sent event: its name, and data a {event.__name__} as JSON"}
+    return {"model": model, "description": description, "content": {"text/event-stream": {"schema": schema}}}
+
+
+def error_responses(*codes: int, model: type[BaseModel] = ErrorResponse) -> dict:
     why = {400: "Invalid request (the message says what was wrong and what is allowed)",
            401: "Missing or wrong API key (only when the server has one)",
            404: "No such model (or route)", 413: "Request body over --max-request-body-bytes",
            503: "Draining for shutdown, at --max-waiting-requests, or the engine stopped"}
-    return {code: {"model": ErrorResponse, "description": why[code]} for code in codes}
+    return {code: {"model": model, "description": why[code]} for code in codes}
 
 
 GENERATION = error_responses(400, 401, 404, 413, 503)  # body routes that name a model

@@ -7,7 +7,7 @@ import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -16,7 +16,14 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, Reques
 from pagedllm.entrypoints.openai import serving_audio
 from pagedllm.audio.io import AUDIO_CONTENT_TYPES
 from pagedllm.entrypoints.openai.audio_args import AudioServerConfig
+from pagedllm.entrypoints.openai import messages_api
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
+from pagedllm.entrypoints.openai.messages_api import (
+    MESSAGES_PATHS,
+    CountTokensRequest,
+    MessagesRequest,
+    anthropic_error_body,
+)
 from pagedllm.entrypoints.openai.guard import RETRY_AFTER_S, ServerGuard, default_max_body_bytes, open_paths
 from pagedllm.entrypoints.openai.bodies import (
     Body,
@@ -37,6 +44,7 @@ from pagedllm.entrypoints.openai.openapi import (
     READ_ONLY,
     TOKENIZER,
     error_responses,
+    events_ok,
     json_ok,
     stream_ok,
     truthful_openapi,
@@ -94,44 +102,51 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
 
     v1 = [Depends(serving)]  # (the API key is checked by the guard, before the body is read)
 
+    def shaped_error(request: Request, status: int, message: str, param: str | None = None,
+                     headers: dict[str, str] | None = None):
+        """An error in the shape of the API the path belongs to: Anthropic's on the Messages API, else OpenAI's."""
+        if request.url.path in MESSAGES_PATHS:
+            return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
+        return error_response(status, message, param, headers)
+
     @app.exception_handler(APIError)
-    async def _api_error(_, e: APIError):
-        return error_response(e.status, e.message, e.param, e.headers)
+    async def _api_error(request, e: APIError):
+        return shaped_error(request, e.status, e.message, e.param, e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_, e: RequestValidationError):
+    async def _validation_error(request, e: RequestValidationError):
         parts, param = [], None
         for err in e.errors():
             if err.get("type") == "json_invalid":
                 where = err.get("loc", ("body", "?"))[-1]
                 detail = (err.get("ctx") or {}).get("error", "malformed JSON")
-                return error_response(400, f"Invalid JSON in the request body at character {where}: {detail}")
+                return shaped_error(request, 400, f"Invalid JSON in the request body at character {where}: {detail}")
             loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_union_tag(x)]
             param = param or (".".join(loc) or None)
             got = err.get("input")
             shown = repr(got) if not isinstance(got, (dict, list)) else type(got).__name__
             parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} (got {shown[:80]})")
-        return error_response(400, "Invalid request: " + "; ".join(parts[:5]), param)
+        return shaped_error(request, 400, "Invalid request: " + "; ".join(parts[:5]), param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_, e: StarletteHTTPException):
+    async def _http_error(request, e: StarletteHTTPException):
         # FastAPI's own errors (unknown route, wrong method, a body that is not UTF-8 or nests too
         # deeply to parse) in the OpenAI shape too, not as {"detail": ...}.
-        response = error_response(e.status_code, str(e.detail))
+        response = shaped_error(request, e.status_code, str(e.detail))
         response.headers.update(e.headers or {})  # e.g. Allow on a 405
         return response
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_, e: EngineDeadError):
-        return error_response(503, str(e))
+    async def _dead(request, e: EngineDeadError):
+        return shaped_error(request, 503, str(e))
 
     @app.exception_handler(RequestAbortedError)
-    async def _aborted(_, e: RequestAbortedError):
-        return error_response(503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
+    async def _aborted(request, e: RequestAbortedError):
+        return shaped_error(request, 503, str(e), headers={"Retry-After": str(RETRY_AFTER_S)})
 
     @app.exception_handler(ValueError)
-    async def _value_error(_, e: ValueError):
-        return error_response(400, str(e), param_of(e))
+    async def _value_error(request, e: ValueError):
+        return shaped_error(request, 400, str(e), param_of(e))
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "Serving (empty body)", "content": {}}, **error_responses(503)})
@@ -189,6 +204,26 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         if serving_audio.wants_audio(body):
             return await respond(await serving_audio.create_audio_chat_completion(_audio(), body, raw))
         return await respond(await create_chat_completion(ctx, body, raw))
+
+    anthropic_errors = error_responses(400, 401, 404, 413, 503, model=messages_api.AnthropicErrorResponse)
+
+    @app.post("/v1/messages", dependencies=v1,
+              responses={200: events_ok(messages_api.AnthropicMessage, "Anthropic's Messages API: the message",
+                                        messages_api.AnthropicEvent), **anthropic_errors})
+    async def messages(body: MessagesRequest, raw: Request):
+        model = ctx.model_name(body.model)
+        reply = await create_chat_completion(ctx, messages_api.chat_request(body), raw)
+        if body.stream:
+            return StreamingResponse(messages_api.stream_from_chat(reply, body, model), media_type="text/event-stream")
+        return JSONResponse(messages_api.message_from_chat(reply, body, model))
+
+    @app.post("/v1/messages/count_tokens", dependencies=v1,
+              responses={200: json_ok(messages_api.CountTokensResponse, "The prompt's tokens"), **anthropic_errors})
+    async def count_tokens(body: CountTokensRequest, raw: Request):
+        ctx.model_name(body.model)
+        messages, tools = messages_api.count_tokens_request(body)
+        _, ids = await ctx.render_chat(messages, ctx.chat_template, True, tools, raw=raw)
+        return JSONResponse({"input_tokens": len(ids)})
 
     def _audio() -> serving_audio.AudioServing:
         if app.state.audio is None:
