@@ -16,7 +16,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, Reques
 from pagedllm.entrypoints.openai import serving_audio
 from pagedllm.audio.io import AUDIO_CONTENT_TYPES
 from pagedllm.entrypoints.openai.audio_args import AudioServerConfig
-from pagedllm.entrypoints.openai import messages_api
+from pagedllm.entrypoints.openai import messages_api, responses_api
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
 from pagedllm.entrypoints.openai.messages_api import (
     MESSAGES_PATHS,
@@ -224,6 +224,17 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         messages, tools = messages_api.count_tokens_request(body)
         _, ids = await ctx.render_chat(messages, ctx.chat_template, True, tools, raw=raw)
         return JSONResponse({"input_tokens": len(ids)})
+
+    @app.post("/v1/responses", dependencies=v1,
+              responses={200: events_ok(responses_api.ResponseObject, "The response (stateless: nothing is stored)",
+                                        responses_api.ResponseEvent), **GENERATION})
+    async def responses(body: responses_api.ResponsesRequest, raw: Request):
+        model = ctx.model_name(body.model)
+        reply = await create_chat_completion(ctx, responses_api.chat_request(body), raw)
+        if body.stream:
+            return StreamingResponse(responses_api.stream_from_chat(reply, body, model),
+                                     media_type="text/event-stream")
+        return JSONResponse(responses_api.response_from_chat(reply, body, model))
 
     def _audio() -> serving_audio.AudioServing:
         if app.state.audio is None:
