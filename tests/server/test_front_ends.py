@@ -20,6 +20,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"t
 
 @pytest.mark.parametrize("template,parser", [
     (QWEN_LIKE, "hermes"),
+    ("<tools>{{ tools }}</tools> reply as <tool_call>\n<function=example_function_name>\n<parameter=p>\nv\n"
+     "</parameter>\n</function>\n</tool_call>", "qwen3_coder"),
     ("{{ bos_token }}Environment: ipython ... <|python_tag|>{{ m }}", "llama3_json"),
     ({"default": QWEN_LIKE, "rag": "plain"}, "hermes"),
     ("{% for m in messages %}{{ m['content'] }}{% endfor %}", None),

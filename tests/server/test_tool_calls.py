@@ -178,3 +178,24 @@ def test_tool_choice_auto_streams_a_text_reply_as_it_is_written(auto_url):
     pieces = [c.delta.content for chunk in client.chat.completions.create(stream=True, **kwargs)
               for c in chunk.choices if c.delta.content]
     assert "".join(pieces) == whole.message.content and len(pieces) > 3, pieces
+
+
+CODER_TOOLS = {"get_weather": {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                     "metric": {"type": "boolean"}, "zip": {"type": "string"},
+                                     "where": {"type": "object"}}}}}}
+CODER_REPLY = ("Let me check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n"
+               "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=zip>\n"
+               "01234\n</parameter>\n<parameter=where>\n{\"lat\": 40.7}\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_xml_calls_take_their_parameters_schema_types():
+    """Qwen3-Coder's XML: each value is read as its schema type says (the string "01234" stays a string; 3, true
+    and the object are parsed); the text before the call is the content, streamed as it is written."""
+    content, calls = parse_tool_calls("qwen3_coder", CODER_REPLY, CODER_TOOLS)
+    assert content == "Let me check." and [c.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].arguments) == {"city": "New York", "days": 3, "metric": True, "zip": "01234",
+                                              "where": {"lat": 40.7}}
+    assert content_so_far("qwen3_coder", CODER_REPLY[:20]) == "Let me check."
+    broken = CODER_REPLY.replace("</function>", "")
+    assert parse_tool_calls("qwen3_coder", broken, CODER_TOOLS) == (broken, [])  # a malformed call stays content

@@ -61,8 +61,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let the model decide when to call tools (tool_choice auto); needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
-                   help="how tool calls are read from the model's reply: hermes (<tool_call> blocks: Qwen, Hermes) "
-                        "or llama3_json (a JSON object: Llama 3.1+)")
+                   help="how tool calls are read from the model's reply: hermes (<tool_call> JSON blocks: Qwen, "
+                        "Hermes), llama3_json (a JSON object: Llama 3.1+) or qwen3_coder (<tool_call> XML blocks: "
+                        "Qwen3-Coder); unset, picked from the chat template where it shows one")
     g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS) + ["gpt_oss"],
                    help="send a thinking model's think block (<think> ... </think>) as reasoning_content, apart from "
                         "the answer's content: deepseek_r1 or qwen3 (both read the block; whether the reply starts "
@@ -142,7 +143,7 @@ def run_server(ns: argparse.Namespace) -> int:
         raise ValueError("--reasoning-parser gpt_oss (harmony channels) is not implemented yet, and pagedllm never "
                          "accepts a flag it would ignore; deepseek_r1 and qwen3 are (think blocks).")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
     chat_template = _read_chat_template(ns.chat_template)
     api_key = resolve_api_key(ns.api_key)
     config = engine_args_from(ns, server=True).create_engine_config()  # bad settings are refused here, before any replica

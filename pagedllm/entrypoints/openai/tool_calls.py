@@ -22,9 +22,10 @@ from pagedllm.entrypoints.openai.bodies import FunctionCall, ToolCallOut
 from pagedllm.errors import InvalidParameterError
 from pagedllm.structured_output import GuidedDecodingParams
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")
-# What a chat template writes when it renders tools, and the parser that reads the calls its model then writes.
-TEMPLATE_TOOL_MARKERS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
+# What a chat template writes when it renders tools, and the parser that reads the calls its model then writes
+# (the first that matches: Qwen3-Coder's template shows <tool_call> with <function=...> inside).
+TEMPLATE_TOOL_MARKERS = (("<function=", "qwen3_coder"), ("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
 
 
 def tool_call_parser_for_template(template: str | dict | None) -> str | None:
@@ -102,13 +103,13 @@ def calls_from_constrained(text: str, tool_choice) -> list[ToolCall]:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(parser: str, text: str, tools: dict[str, dict] | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content left, calls) of a free reply under tool_choice auto. Text that does not parse as a call stays
-    content."""
-    if parser == "hermes":
+    content. `tools` (name -> tool): the parameter types qwen3_coder's XML values are read as."""
+    if parser in ("hermes", "qwen3_coder"):
         calls = []
         for body in _HERMES.findall(text):
-            call = _call_of(body, "arguments")
+            call = _call_of(body, "arguments") if parser == "hermes" else _xml_call_of(body, tools or {})
             if call is None:
                 return text, []
             calls.append(call)
@@ -129,12 +130,39 @@ _HERMES_OPEN = "<tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
 
 
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+
+def _xml_call_of(body: str, tools: dict[str, dict]) -> ToolCall | None:
+    """One Qwen3-Coder call, `<function=NAME><parameter=KEY>VALUE</parameter>...</function>`, as a ToolCall: each
+    value read as its parameter's schema type says (a string stays text; numbers, booleans, objects and arrays
+    are parsed as JSON), a value that does not parse as its type kept as text."""
+    match = _XML_FUNCTION.fullmatch(body.strip())
+    if match is None:
+        return None
+    name = match.group(1).strip()
+    properties = _tool_schema(tools.get(name, {})).get("properties") or {}
+    arguments: dict[str, Any] = {}
+    for key, raw in _XML_PARAMETER.findall(match.group(2)):
+        key = key.strip()
+        value = raw.removeprefix("\n").removesuffix("\n")
+        kind = (properties.get(key) or {}).get("type")
+        if kind != "string":
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+        arguments[key] = value
+    return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
 def content_so_far(parser: str, text: str) -> str:
     """The beginning of a free reply (tool_choice auto) that is content whatever comes next: streamed as it is
     written. hermes: the text before a <tool_call> (or before what may be the start of one); llama3_json: the
     whole text once it cannot be a call (it does not start with "{" or <|python_tag|>). Trailing whitespace
     waits (a finished reply's content is stripped around its calls)."""
-    if parser == "hermes":
+    if parser in ("hermes", "qwen3_coder"):
         cut = text.find(_HERMES_OPEN)
         if cut < 0:
             cut = len(text)

@@ -61,7 +61,7 @@ class ToolUse:
             calls = calls_from_constrained(c.text, self.choice)
             finish = "stop" if isinstance(self.choice, dict) else "tool_calls"  # (as OpenAI)
             return ChatMessageOut(content=None, tool_calls=[t.to_openai() for t in calls]), finish
-        content, calls = parse_tool_calls(self.parser, c.text)
+        content, calls = parse_tool_calls(self.parser, c.text, self.tools)
         if not calls:
             return message, c.finish_reason
         return ChatMessageOut(content=content, tool_calls=[t.to_openai() for t in calls]), "tool_calls"
