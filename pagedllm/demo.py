@@ -39,6 +39,7 @@ SPECIAL_TOKENS: tuple[str, ...] = (
 MODEL_MAX_LENGTH = 2048
 DEMO_VOCAB_SIZE = 2048
 DEMO_MODEL_NAME = "demo-llama-v1"
+DEMO_SERVED_NAME = "pagedllm-demo"  # what `pagedllm serve` with no model serves it as
 # Bump DEMO_MODEL_NAME whenever the corpus, tokenizer, config or training recipe changes,
 # so stale caches are never reused.
 
@@ -347,17 +348,57 @@ def demo_model_path() -> Path:
     file beside the model).
     """
     final = _cache_root() / DEMO_MODEL_NAME
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    # One build at a time: a process that finds another building (two servers started at once on a fresh
-    # machine) waits for it and uses its build instead of training a second copy.
-    with open(final.parent / f".{DEMO_MODEL_NAME}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (final / "config.json").is_file():
-            return final
-        _build_into(final)
+    if not (final / "config.json").is_file():
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # One build at a time: a process that finds another building (two servers started at once on a fresh
+        # machine) waits for it and uses its build instead of training a second copy.
+        with open(final.parent / f".{DEMO_MODEL_NAME}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (final / "config.json").is_file():
+                _build_into(final)
+    register_in_hub_cache(final)
     return final
+
+
+# What a tokenizer load reads of the demo folder (not the weights).
+_TOKENIZER_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "generation_config.json")
+
+
+def register_in_hub_cache(folder: Path) -> Path | None:
+    """Make `AutoTokenizer.from_pretrained("pagedllm-demo")` find the demo's tokenizer with no network: load tools
+    (guidellm, benchmark clients) take the served model's name as a tokenizer to fetch from the hub, and the
+    demo's name is no hub repository. The folder's tokenizer files are copied into the Hugging Face cache as the
+    repository `pagedllm-demo` (one snapshot, whose revision is the files' hash), which the hub client reads when
+    HF_HUB_OFFLINE=1 or the hub cannot be reached. Returns the snapshot folder, or None where the cache is not
+    writable (nothing else depends on it)."""
+    import hashlib
+
+    try:
+        from huggingface_hub import constants
+
+        files = [folder / name for name in _TOKENIZER_FILES if (folder / name).is_file()]
+        if not all((folder / name).is_file() for name in ("config.json", "tokenizer.json", "tokenizer_config.json")):
+            return None  # not a whole demo folder (nothing to load a tokenizer from)
+        revision = hashlib.sha1(b"".join(f.read_bytes() for f in files)).hexdigest()
+        repo = Path(constants.HF_HUB_CACHE) / f"models--{DEMO_SERVED_NAME}"
+        snapshot = repo / "snapshots" / revision
+        if (repo / "refs" / "main").is_file() and (repo / "refs" / "main").read_text() == revision \
+                and all((snapshot / f.name).is_file() for f in files):
+            return snapshot
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for f in files:  # copies (small files), each put in place whole: a link would dangle once the folder goes
+            part = snapshot / f".{f.name}.{os.getpid()}"
+            shutil.copyfile(f, part)
+            os.replace(part, snapshot / f.name)
+        (repo / "refs").mkdir(exist_ok=True)
+        part = repo / "refs" / f".main.{os.getpid()}"
+        part.write_text(revision)
+        os.replace(part, repo / "refs" / "main")
+        return snapshot
+    except (ImportError, OSError) as e:
+        logger.debug("the demo's tokenizer was not copied into the Hugging Face cache: %s", e)
+        return None
 
 
 def _build_into(final: Path) -> None:

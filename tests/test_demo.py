@@ -287,3 +287,28 @@ def test_concurrent_callers_build_the_demo_model_once(tmp_path: Path, monkeypatc
         p.join(timeout=60)
         assert p.exitcode == 0
     assert events.empty() and (tmp_path / "demo-llama-v1" / "config.json").is_file()  # one build only
+
+
+def test_the_demo_tokenizer_loads_by_its_served_name_offline(tmp_path, monkeypatch):
+    """Load tools take the served name as a tokenizer to fetch from the hub: `pagedllm-demo` resolves from the
+    Hugging Face cache (copied there by the demo build), offline, to the demo folder's own tokenizer."""
+    import subprocess
+    import sys
+
+    from pagedllm.demo import demo_model_path
+
+    hub = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    folder = demo_model_path()
+    assert (hub / "models--pagedllm-demo" / "refs" / "main").is_file()
+    code = ("import sys; from transformers import AutoTokenizer; a = AutoTokenizer.from_pretrained('pagedllm-demo'); "
+            "b = AutoTokenizer.from_pretrained(sys.argv[1]); t = 'Once upon a time'; "
+            "assert a.encode(t) == b.encode(t) and len(a) == len(b), (a.encode(t), b.encode(t)); print('same')")
+    env = {k: v for k, v in __import__("os").environ.items()}
+    env.update({"HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"})
+    run = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, env=env,
+                         timeout=120, cwd=tmp_path)
+    assert run.returncode == 0 and "same" in run.stdout, run.stderr[-2000:]

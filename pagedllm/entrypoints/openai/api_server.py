@@ -136,6 +136,7 @@ def resolve_api_key(flag: str | None) -> str | None:
 def run_server(ns: argparse.Namespace) -> int:
     from pagedllm.engine.arg_utils import engine_args_from
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.demo import DEMO_SERVED_NAME
     from pagedllm.entrypoints.llm import load_tokenizer
 
     refuse_unimplemented(ns)
@@ -171,7 +172,7 @@ def run_server(ns: argparse.Namespace) -> int:
         llm_engine = create_audio_engine(config, tokenizer, audio)
     else:
         llm_engine = LLMEngine(config, tokenizer)
-    names = ns.served_model_name or [ns.model or "pagedllm-demo"]
+    names = ns.served_model_name or [ns.model or DEMO_SERVED_NAME]
     metrics = EngineMetrics(names[0])
     stop_on_lost_worker = _StopOnLostWorker()
     engine = AsyncLLMEngine(llm_engine, step_listener=metrics.on_step, abort_listener=metrics.on_abort,
