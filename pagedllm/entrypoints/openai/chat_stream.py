@@ -6,7 +6,9 @@ reasoning_content and the streamer of its mode reads only the answer after it.""
 from __future__ import annotations
 
 import dataclasses
+import json
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 
 from pagedllm.entrypoints.openai.bodies import (
     ChatChunkChoice,
@@ -203,3 +205,16 @@ def streamer_for(index: int, tools: ToolUse, stops: list[str], top_logprobs: int
     else:
         answer = TextStreamer(index, stops, top_logprobs)
     return ReasoningStreamer(index, answer, in_reasoning, stops) if reasoning else answer
+
+
+async def chunk_payloads(events: AsyncIterator[str]) -> AsyncIterator[dict]:
+    """A streamed chat completion's events (create_chat_completion's) as their JSON payloads, up to [DONE]: what
+    the other APIs' streams (messages_api.py, responses_api.py) are made from. An error event is a payload with
+    "error" and no "choices"."""
+    async for line in events:
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):].strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.entrypoints.openai.bodies import ChatCompletionResponse
+from pagedllm.entrypoints.openai.chat_stream import chunk_payloads
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, LenientModel, NonEmptyStr
 
@@ -278,13 +279,7 @@ async def stream_from_chat(chunks, req: MessagesRequest, model: str):
     blocks, started, usage = _BlockWriter(), False, {"input_tokens": 0, "output_tokens": 0}
     finish: tuple[str, str | None] = ("end_turn", None)
     calls: dict[int, str] = {}  # tool call index -> its id
-    async for line in chunks:
-        if not line.startswith("data: "):
-            continue
-        payload = line[len("data: "):].strip()
-        if payload == "[DONE]":
-            break
-        chunk = json.loads(payload)
+    async for chunk in chunk_payloads(chunks):
         if "error" in chunk and "choices" not in chunk:  # the chat stream's error event
             error = chunk["error"]
             for event in blocks.close():

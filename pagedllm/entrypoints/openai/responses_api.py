@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedllm.entrypoints.openai.bodies import ChatCompletionResponse
+from pagedllm.entrypoints.openai.chat_stream import chunk_payloads
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, LenientModel
 
@@ -283,13 +284,7 @@ async def stream_from_chat(chunks, req: ResponsesRequest, model: str):
     yield out.event("response.created", response=_envelope(req, rid, created, model, "in_progress", [], None, None))
     yield out.event("response.in_progress", response=_envelope(req, rid, created, model, "in_progress", [], None,
                                                                None))
-    async for line in chunks:
-        if not line.startswith("data: "):
-            continue
-        payload = line[len("data: "):].strip()
-        if payload == "[DONE]":
-            break
-        chunk = json.loads(payload)
+    async for chunk in chunk_payloads(chunks):
         if "error" in chunk and "choices" not in chunk:  # the chat stream's error event
             for event in out.close():
                 yield event

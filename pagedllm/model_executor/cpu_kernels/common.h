@@ -202,4 +202,22 @@ void configure_tiles() {
 }
 #endif  // PAGEDLLM_HAS_AMX
 
+// What both paged attention kernels ask of q (tokens, heads, dim) and the caches (kv_heads, slots, dim), and
+// their sinks: None, or (heads,) logits, returned as float32 (an undefined tensor for None).
+inline at::Tensor check_paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                        int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "the KV cache must be in the query's dtype");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "rows must be contiguous");
+  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(2) && v_cache.sizes() == k_cache.sizes(), "q, K and V share one head size");
+  TORCH_CHECK(block_size >= 1, "block_size must be >= 1");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  if (!sinks.has_value()) return at::Tensor();
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "sinks must be (heads,)");
+  return sinks->to(at::kFloat).contiguous();
+}
+
 }  // namespace

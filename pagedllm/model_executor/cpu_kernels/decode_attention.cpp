@@ -242,23 +242,11 @@ void dispatch_head_dim(const at::Tensor& q, const at::Tensor& k_cache, const at:
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_table, const at::Tensor& key_lens, double scale,
                                   int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "the KV cache must be in the query's dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "rows must be contiguous");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
+  const at::Tensor sink_logits = check_paged_attention(q, k_cache, v_cache, block_size, window, sinks);
   TORCH_CHECK(block_table.scalar_type() == at::kLong && key_lens.scalar_type() == at::kLong,
               "block_table and key_lens must be int64");
   TORCH_CHECK(block_table.stride(1) == 1 && key_lens.is_contiguous(), "index tensors must be contiguous");
   TORCH_CHECK(key_lens.size(0) == q.size(0) && block_table.size(0) == q.size(0), "one row per sequence");
-  TORCH_CHECK(block_size >= 1 && v_cache.sizes() == k_cache.sizes(), "block_size >= 1, K and V caches alike");
-  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
-  at::Tensor sink_logits;  // float32, one per query head
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "sinks must be (heads,)");
-    sink_logits = sinks->to(at::kFloat).contiguous();
-  }
   const float* sink_data = sink_logits.defined() ? sink_logits.data_ptr<float>() : nullptr;
   // Every read goes through these: keep them inside the cache (a few hundred integers to look at).
   const int64_t num_blocks = k_cache.size(1) / block_size, width = block_table.size(1);

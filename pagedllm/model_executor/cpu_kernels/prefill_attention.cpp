@@ -159,25 +159,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                                    const at::Tensor& block_table, const at::Tensor& q_offsets,
                                    const at::Tensor& q_counts, const at::Tensor& first_positions, double scale,
                                    int64_t block_size, int64_t window, const c10::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q and the caches must be 3-D");
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "the KV cache must be in the query's dtype");
-  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "rows must be contiguous");
-  TORCH_CHECK(q.size(1) % k_cache.size(0) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(q.size(2) == k_cache.size(2) && v_cache.sizes() == k_cache.sizes(), "q, K and V share one head size");
-  TORCH_CHECK(block_size >= 1 && window >= 0, "block_size >= 1, window >= 0 (0: none)");
+  const at::Tensor sink_logits = check_paged_attention(q, k_cache, v_cache, block_size, window, sinks);
   const int64_t num_requests = block_table.size(0);
   for (const at::Tensor* t : {&block_table, &q_offsets, &q_counts, &first_positions})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "index tensors must be contiguous int64");
   TORCH_CHECK(q_offsets.numel() == num_requests && q_counts.numel() == num_requests &&
                   first_positions.numel() == num_requests,
               "one offset, count and first position per block table row");
-  at::Tensor sink_logits;
-  if (sinks.has_value()) {
-    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "sinks must be (heads,)");
-    sink_logits = sinks->to(at::kFloat).contiguous();
-  }
   const int64_t* offsets = q_offsets.data_ptr<int64_t>();
   const int64_t* counts = q_counts.data_ptr<int64_t>();
   const int64_t* starts = first_positions.data_ptr<int64_t>();
