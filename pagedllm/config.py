@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from pagedllm.kv_layout import KVCacheLayout
+from pagedllm.pooler_config import PoolerConfig
 from pagedllm.structured_output_limits import StructuredOutputLimits
 
 logger = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class ModelConfig:
     # Audio models: repetition-aware sampling as the checkpoint's generation_config.json sets it (True), or off.
     repetition_aware_sampling: bool = True
     max_logprobs: int = 20  # most logprobs a request may ask for (more than the vocabulary would fail a step)
+    pooler: PoolerConfig | None = None  # the pooling runner's (embeddings, classifiers); None: the generate runner
 
     @property
     def model_max_len(self) -> int:

@@ -5,7 +5,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.engine.stats import EngineStats
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -79,6 +79,11 @@ class EngineMetrics:
         self._on_structured_outputs(engine)
         for out in outputs:
             rid = out.request_id
+            if isinstance(out, PoolingRequestOutput):  # a pooled prompt: no generated token, one request done
+                self.e2e.observe(now - out.metrics["arrival_time"])
+                self.prompt_tokens.inc(len(out.prompt_token_ids))
+                self.success.labels(self._model_name, "stop").inc()
+                continue
             produced = sum(len(c.token_ids) for c in out.outputs)
             new = produced - self._tokens.get(rid, 0)
             if new > 0:

@@ -53,3 +53,38 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's output (vLLM's shape): `data`, a float32 vector on the host: the embedding, or the
+    classifier's probabilities (logits with use_activation off)."""
+
+    data: torch.Tensor
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data.tolist()
+
+    @property
+    def score(self) -> float:
+        """A single-label classifier's score (a cross-encoder's relevance)."""
+        if self.data.numel() != 1:
+            raise ValueError(f"score is a single-label classifier's output; this one has {self.data.numel()} labels")
+        return float(self.data[0])
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What a pooling request produced (LLM.embed / classify / encode, the server's pooling routes)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    metrics: dict = field(default_factory=dict)

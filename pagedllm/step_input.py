@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarBitmask
 
@@ -65,6 +66,7 @@ class NewRequestData:
     # generation state at admission (the runner owns it from here on).
     prompt_frames: list[Frame | None] | None = None
     audio_state: Any = None
+    pooling_params: PoolingParams | None = None  # a pooling request's (its prompt is pooled, nothing sampled)
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class ScheduledTokens:
     num_computed_tokens: int
     num_new_tokens: int
     block_tables: list[list[int]]
-    samples: bool  # the slice reaches the end of the request's tokens: a token is sampled
+    samples: bool  # the slice reaches the end of the request's tokens: a token is sampled (a pooling request pooled)
 
 
 @dataclass

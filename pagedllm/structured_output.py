@@ -44,6 +44,9 @@ class GuidedDecodingParams:
     grammar: str | None = None  # EBNF (GBNF-style, as xgrammar and llama.cpp take it)
     json_object: bool = False  # any JSON object
     param: str = "guided_decoding"
+    # The constraint starts after these output tokens (a reasoning model's end of thinking, `</think>`: the server
+    # sets it under --reasoning-parser); the output before them is free. None: from the first token.
+    start_after: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -238,10 +241,25 @@ def _json_schema_grammar(xgr, schema: str) -> str:
 class GrammarState:
     """A request's matcher and how many of its output tokens it has accepted: advanced to the request's output
     before each step it samples in, so any path that adds tokens (a step, a preemption's recompute) keeps it
-    in step."""
+    in step. `matcher` is None while the constraint waits for its `start_after` tokens (`num_accepted`: the output
+    searched for them so far)."""
 
     matcher: Any
     num_accepted: int = 0
+
+
+def constraint_start(params: GuidedDecodingParams, output: list[int], searched: int = 0) -> int | None:
+    """Where a request's constrained output begins in its output tokens: 0, or just after the first `start_after`
+    run; None while that run has not been written (the output is free so far). `searched`: the output's length when
+    the run was last looked for (it was not in it)."""
+    marker = params.start_after
+    if not marker:
+        return 0
+    n = len(marker)
+    for i in range(max(0, searched - n + 1), len(output) - n + 1):
+        if tuple(output[i:i + n]) == marker:
+            return i + n
+    return None
 
 
 @dataclass
@@ -332,15 +350,21 @@ class StructuredOutputManager:
         return GrammarBitmask(rows, bitmask, self.vocab_size)
 
     def _live_matcher(self, req):
-        """The request's matcher advanced to its output, while its output is constrained (None: no constraint,
-        or the grammar is complete)."""
+        """The request's matcher advanced to its output, while its output is constrained (None: no constraint, one
+        that starts after tokens not written yet, or the grammar is complete)."""
         params = req.sampling_params.guided_decoding
         if params is None:
             return None
         state: GrammarState | None = req.grammar
         output = req.output_token_ids
         if state is None:
-            state = req.grammar = GrammarState(self._compiler.matcher(params, output), len(output))
+            state = req.grammar = GrammarState(None)
+        if state.matcher is None:
+            start = constraint_start(params, output, state.num_accepted)
+            if start is None:  # thinking: the constraint starts after its end marker
+                state.num_accepted = len(output)
+                return None
+            state.matcher, state.num_accepted = self._compiler.matcher(params, output[start:]), len(output)
         for token in output[state.num_accepted:]:
             if state.matcher.is_terminated() or not state.matcher.accept_token(token):
                 break

@@ -31,6 +31,7 @@ from pagedllm.model_executor.moe import num_experts
 from pagedllm.model_executor.quant import checkpoint_quant
 from pagedllm.structured_output_limits import StructuredOutputLimits
 from pagedllm.model_executor.model_files import has_tokenizer, load_hf_config, resolve_model_path
+from pagedllm.pooler_config import RUNNERS, TASKS, apply_hf_overrides, parse_pooler_config, pooler_config, resolve_runner
 from pagedllm.utils import gib_to_bytes, parse_size
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,20 @@ class EngineArgs:
                              "local HF cache; default: the built-in demo model")
     tokenizer: str | None = flag(None, "tokenizer folder or hub name (default: the model's)")
     revision: str | None = flag(None, "hub revision of the model in the local HF cache")
+    runner: str = flag("auto", "generate: text (or speech) generation; pooling: embeddings, classification and "
+                       "scores (/v1/embeddings, /v1/score, /v1/rerank); auto: pooling for *ForSequenceClassification, "
+                       "bare *Model and sentence-transformers checkpoints, else generate", choices=lambda: RUNNERS)
+    task: str | None = flag(None, "vLLM's older switch: embed (or embedding), classify, score (a single-label "
+                            "classifier's relevance, or an embedding model's cosine similarity) run the pooling runner; "
+                            "generate the generate runner", choices=lambda: TASKS)
+    pooler_config: str | dict | None = flag(None, "JSON: how the pooling runner pools, e.g. '{\"pooling_type\": "
+                                            "\"MEAN\", \"normalize\": true}' (pooling_type LAST, MEAN or CLS; "
+                                            "normalize; use_activation); default: the checkpoint's sentence-"
+                                            "transformers modules, else last-token", parse=str)
+    hf_overrides: str | dict | None = flag(None, "JSON set on the model's config.json as loaded, e.g. Qwen3-Reranker's "
+                                           "'{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                                           "\"classifier_from_token\": [\"no\", \"yes\"], "
+                                           "\"is_original_qwen3_reranker\": true}'", parse=str)
     dtype: str = flag("auto", "weights' and activations' dtype; auto: the checkpoint's (float16 becomes bfloat16 "
                       "on a CPU)", choices=_dtypes)
     seed: int = flag(0, "seed of the random weights (--load-format dummy) and of unseeded sampling")
@@ -200,6 +215,7 @@ class EngineArgs:
             raise ValueError(f"{path} is a config file, not a model folder: pass load_format='dummy' to run "
                              f"its shape with random weights.")
         hf_config = load_hf_config(path)
+        apply_hf_overrides(hf_config, self.hf_overrides)
         self._verify_quantization(hf_config)
         cpu_offload_bytes = self._cpu_offload_bytes(device)
         from pagedllm.model_executor.models.registry import get_model_class
@@ -212,19 +228,21 @@ class EngineArgs:
         dtype = resolve_dtype(self.dtype, checkpoint_dtype, device)
         max_model_len = self._max_model_len(hf_config)
         tokenizer = self.tokenizer or (str(path) if has_tokenizer(path) else None)
+        pooler = self._pooler(architecture, hf_config, path, tokenizer)
         model_config = ModelConfig(
             model=self.model, path=path, hf_config=hf_config, architecture=architecture, dtype=dtype,
             max_model_len=max_model_len, max_model_len_auto=self.max_model_len in ("auto", -1),
             load_format=self.load_format, seed=self.seed,
             tokenizer=tokenizer, quantization=self._quantize_at_load(hf_config), cpu_offload_bytes=cpu_offload_bytes,
             repetition_aware_sampling=self.repetition_aware_sampling,
-            max_logprobs=self._max_logprobs(hf_config.vocab_size),
+            max_logprobs=self._max_logprobs(hf_config.vocab_size), pooler=pooler,
         )
         cache = CacheConfig(
             block_size=self.block_size, gpu_memory_utilization=self.gpu_memory_utilization,
             num_gpu_blocks_override=self.num_gpu_blocks_override,
             kv_cache_memory_bytes=parse_size(self.kv_cache_memory), cache_dtype=self.kv_cache_dtype,
-            enable_prefix_caching=self.enable_prefix_caching, swap_space_bytes=self._swap_space_bytes(),
+            enable_prefix_caching=self.enable_prefix_caching if pooler is None else False,
+            swap_space_bytes=self._swap_space_bytes(),
         )
         batched = self.max_num_batched_tokens or 2048
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
@@ -236,6 +254,24 @@ class EngineArgs:
                             batch_invariant=self._batch_invariant(), parallel=parallel,
                             structured_outputs=self._structured_output_limits(),
                             request_template_worker=self.trust_request_chat_template)
+
+    def _pooler(self, architecture: str, hf_config, path, tokenizer):
+        """The pooling runner's PoolerConfig, or None for the generate runner (--runner, --task)."""
+        task = resolve_runner(self.runner, self.task, architecture, hf_config, path)
+        if task is None:
+            if self.pooler_config is not None:
+                raise ValueError("--pooler-config configures the pooling runner, and this model runs the generate "
+                                 "runner: add --runner pooling, or drop --pooler-config.")
+            return None
+        if self.tensor_parallel_size > 1:
+            raise UnsupportedModelError(f"--tensor-parallel-size {self.tensor_parallel_size}: the pooling runner "
+                                        f"runs on one device for now.")
+        config = pooler_config(task, architecture, hf_config, path, parse_pooler_config(self.pooler_config),
+                               tokenizer)
+        if self.enable_prefix_caching:
+            logger.info("pooling runner (%s); prefix caching off: a pooled prompt needs every token's state",
+                        config.describe())
+        return config
 
     def _max_logprobs(self, vocab_size: int) -> int:
         if self.max_logprobs < -1:

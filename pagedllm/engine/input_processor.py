@@ -12,6 +12,7 @@ from pagedllm.engine.request import Request
 from pagedllm.errors import InvalidParameterError, InvalidPromptError
 from pagedllm.model_executor.audio_sampling import verify_audio_sampling_params
 from pagedllm.model_executor.model_files import generation_eos_ids
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
 
@@ -25,7 +26,7 @@ class ProcessedRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     requests: list[Request]
 
 
@@ -43,6 +44,9 @@ class InputProcessor:
         """With `strict_length`, prompt + max_tokens over max_model_len is an error (the server's rule) instead of
         generation ending at max_model_len (the offline rule)."""
         self.check_priority(priority)
+        self._check_runner(params)
+        if isinstance(params, PoolingParams):
+            return self._pooling_request(request_id, prompt, params, priority)
         text, ids = self.tokenize_prompt(prompt)
         audio_prompt = self._audio_prompt(prompt, ids, params)
         if audio_prompt is not None:
@@ -68,6 +72,47 @@ class InputProcessor:
                 max_len, cache_salt=cache_salt, priority=priority,
                 **self._audio_request_args(audio_prompt, child_params)))
         return ProcessedRequest(request_id, text, ids, params, requests)
+
+    def _check_runner(self, params) -> None:
+        """Sampling requests go to the generate runner, pooling requests to the pooling runner."""
+        pooler = self.config.model.pooler
+        if isinstance(params, PoolingParams):
+            if pooler is None:
+                raise InvalidParameterError("model", "this engine runs the generate runner: embeddings and scores need "
+                                                     "a pooling model served with --runner pooling (or --task embed).")
+            if params.task != pooler.task:
+                can = "embeddings (and scores by cosine similarity)" if pooler.task == "embed" else \
+                    "classification and scores"
+                raise InvalidParameterError("model", f"this pooling model ({pooler.describe()}) gives {can}, not "
+                                                     f"{params.task}.")
+            return
+        if pooler is not None:
+            raise InvalidParameterError("model", f"this engine runs the pooling runner ({pooler.describe()}): it "
+                                                 f"embeds and scores, it does not generate. Serve a generative model "
+                                                 f"(or this one with --runner generate) to generate.")
+
+    def _pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                         priority: int) -> ProcessedRequest:
+        """A pooling request: its whole prompt (up to max_model_len tokens) is computed and pooled; it generates
+        nothing, so it carries SamplingParams that sample nothing."""
+        text, ids = self.tokenize_prompt(prompt)
+        refuse_audio(prompt)
+        self._validate_prompt(ids, room_for_output=False)
+        pooler, hidden = self.config.model.pooler, self.config.model.hf_config.hidden_size
+        if params.dimensions is not None:
+            if pooler.matryoshka_dimensions is None:
+                raise InvalidParameterError("dimensions", "this model does not support Matryoshka representation: "
+                                                          "its embeddings cannot be cut to fewer dimensions (leave "
+                                                          "dimensions out, or name a Matryoshka model's "
+                                                          "is_matryoshka in --hf-overrides).")
+            allowed = pooler.matryoshka_dimensions
+            if params.dimensions > hidden or (allowed and params.dimensions not in allowed):
+                raise InvalidParameterError("dimensions", f"dimensions must be "
+                                                          f"{'one of ' + str(list(allowed)) if allowed else f'1..{hidden}'}"
+                                                          f", got {params.dimensions}.")
+        request = Request(request_id, ids, SamplingParams(max_tokens=1), set(), self.config.model.max_model_len + 1,
+                          cache_salt=self._cache_salt(prompt), priority=priority, pooling_params=params)
+        return ProcessedRequest(request_id, text, ids, params, [request])
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """A string, {"prompt": str}, {"prompt_token_ids": [...]} or a list of ids -> (text, ids)."""
@@ -130,11 +175,15 @@ class InputProcessor:
             raise InvalidPromptError(f"cache_salt must be a non-empty string, got {salt!r}")
         return salt
 
-    def _validate_prompt(self, ids: list[int]) -> None:
+    def _validate_prompt(self, ids: list[int], room_for_output: bool = True) -> None:
         max_len = self.config.model.max_model_len
         if not ids:
             raise InvalidPromptError("the prompt is empty: it must hold at least one token")
-        if len(ids) >= max_len:
+        if not room_for_output and len(ids) > max_len:
+            raise InvalidPromptError(f"the prompt has {len(ids)} tokens, but this model's maximum context length "
+                                     f"(max_model_len) is {max_len} tokens: shorten it (or truncate it: "
+                                     f"truncate_prompt_tokens)")
+        if room_for_output and len(ids) >= max_len:
             raise InvalidPromptError(
                 f"the prompt has {len(ids)} tokens, but max_model_len is {max_len}: it must be at most "
                 f"{max_len - 1} tokens to leave room for one generated token")

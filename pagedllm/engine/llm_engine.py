@@ -27,6 +27,7 @@ from pagedllm.memory.profiler import runtime_overhead_bytes
 from pagedllm.executor import Executor, make_executor
 from pagedllm.model_executor.model_runner import ModelRunnerOutput
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import GrammarCompiler, StructuredOutputManager
 from pagedllm.utils import phase
@@ -197,12 +198,15 @@ class LLMEngine:
         """Refused unless the scheduling policy is `priority` (InputProcessor.check_priority)."""
         self.inputs.check_priority(priority)
 
-    def add_request(self, request_id: str | None, prompt: PromptType, params: SamplingParams | None = None,
-                    stream: bool = False, strict_length: bool = False, priority: int = 0) -> str:
-        """Queue a prompt. With `strict_length`, prompt + max_tokens over max_model_len is an error
+    def add_request(self, request_id: str | None, prompt: PromptType,
+                    params: SamplingParams | PoolingParams | None = None, stream: bool = False,
+                    strict_length: bool = False, priority: int = 0) -> str:
+        """Queue a prompt: to generate from (SamplingParams), or to pool (PoolingParams, the pooling runner's). With
+        `strict_length`, prompt + max_tokens over max_model_len is an error
         (the server's rule) instead of generation ending at max_model_len (the offline rule).
         `priority` (vLLM's: lower is more important) decides who is preempted first when blocks run out."""
-        params = params or SamplingParams()
+        params = params or (SamplingParams() if self.config.model.pooler is None else
+                            PoolingParams(self.config.model.pooler.task))
         self.inputs.check_priority(priority)
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.outputs:

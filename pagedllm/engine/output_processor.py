@@ -10,7 +10,8 @@ from pagedllm.engine.audio_inputs import AudioGeneration
 from pagedllm.engine.detokenizer import IncrementalDetokenizer
 from pagedllm.engine.request import FINISH_REASONS, Request, RequestStatus
 from pagedllm.model_executor.model_runner import ModelRunnerOutput
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -33,6 +34,7 @@ class _Group:
     sequences: list[_Sequence]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     stream: bool = False
+    pooled: PoolingOutput | None = None  # a pooling request's output, once its prompt is computed
 
     @property
     def finished(self) -> bool:
@@ -54,15 +56,16 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._groups
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            requests: list[Request], stream: bool) -> None:
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+            params: SamplingParams | PoolingParams, requests: list[Request], stream: bool) -> None:
         """A submitted request's n samples (their engine requests), each with its detokenizer (none for audio
-        outputs, or without a tokenizer)."""
+        outputs, a pooling request, or without a tokenizer)."""
+        pooling = isinstance(params, PoolingParams)
         group = _Group(request_id, prompt, prompt_token_ids, [],
-                       [None] if params.prompt_logprobs is not None else None, stream)
+                       [None] if not pooling and params.prompt_logprobs is not None else None, stream and not pooling)
         for index, req in enumerate(requests):
             detok = None
-            if self.tokenizer is not None and not req.generates_audio:
+            if self.tokenizer is not None and not req.generates_audio and not pooling:
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                params.spaces_between_special_tokens, params.stop,
                                                params.include_stop_str_in_output)
@@ -87,9 +90,10 @@ class OutputProcessor:
             return entry is not None and not entry[1].request.is_finished
 
         return ModelRunnerOutput({rid: row for rid, row in result.sampled.items() if live(rid)},
-                                 {rid: c for rid, c in result.prompt_logprobs.items() if live(rid)})
+                                 {rid: c for rid, c in result.prompt_logprobs.items() if live(rid)},
+                                 {rid: data for rid, data in result.pooled.items() if live(rid)})
 
-    def process(self, result: ModelRunnerOutput) -> list[RequestOutput]:
+    def process(self, result: ModelRunnerOutput) -> list[RequestOutput | PoolingRequestOutput]:
         """The step's outputs: tokens detokenized, stop strings applied, finished groups let go."""
         outputs = []
         for group in self._update(result):
@@ -103,6 +107,11 @@ class OutputProcessor:
 
     def _update(self, result: ModelRunnerOutput) -> list[_Group]:
         touched: dict[str, _Group] = {}
+        for rid, data in result.pooled.items():
+            if rid in self._seq_of:
+                group = self._seq_of[rid][0]
+                group.pooled = PoolingOutput(data)
+                touched[group.request_id] = group
         for rid, chunk in result.prompt_logprobs.items():
             if rid in self._seq_of:  # (an abort since the step ran drops its rows)
                 self._add_prompt_logprobs(self._seq_of[rid][0], chunk)
@@ -156,7 +165,10 @@ class OutputProcessor:
             return None
         return self.tokenizer.decode([token_id])
 
-    def _make_output(self, group: _Group) -> RequestOutput:
+    def _make_output(self, group: _Group) -> RequestOutput | PoolingRequestOutput:
+        if group.pooled is not None:
+            return PoolingRequestOutput(group.request_id, group.prompt, group.prompt_token_ids, group.pooled,
+                                        group.finished, self._metrics(group))
         outs = []
         for seq in group.sequences:
             req = seq.request
@@ -171,9 +183,12 @@ class OutputProcessor:
                 stop_reason=req.stop_reason,
                 audio_codes=self.audio.output_codes(req.audio_frames) if req.generates_audio else None,
             ))
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                             group.prompt_logprobs, outs, group.finished, self._metrics(group))
+
+    @staticmethod
+    def _metrics(group: _Group) -> dict:
         reqs = [seq.request for seq in group.sequences]
         scheduled = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
-        metrics = {"arrival_time": min(r.arrival_time for r in reqs),
-                   "first_scheduled_time": min(scheduled) if scheduled else None}
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
-                             group.prompt_logprobs, outs, group.finished, metrics)
+        return {"arrival_time": min(r.arrival_time for r in reqs),
+                "first_scheduled_time": min(scheduled) if scheduled else None}

@@ -7,6 +7,7 @@ from typing import Any
 
 from pagedllm.step_input import Frame, TokenSequence, frames_between
 from pagedllm.outputs import Logprob
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -53,8 +54,10 @@ class Request(TokenSequence):
         priority: int = 0,
         prompt_frames: list[Frame | None] | None = None,
         audio_state: Any = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        self.pooling_params = pooling_params  # a pooling request: done once its prompt is computed
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = set() if sampling_params.ignore_eos else set(eos_token_ids)

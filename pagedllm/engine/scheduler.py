@@ -244,7 +244,7 @@ class Scheduler:
                 self._sent_to_executor.add(req.request_id)
                 step.new_requests.append(NewRequestData(
                     req.request_id, req.prompt_token_ids, req.sampling_params, frozenset(req.eos_token_ids),
-                    req.prompt_frames, req.audio_state))
+                    req.prompt_frames, req.audio_state, req.pooling_params))
                 req.audio_state = None  # the runner's from now on
             step.scheduled.append(ScheduledTokens(req.request_id, req.num_computed_tokens, s.num_new_tokens,
                                                   s.block_tables, s.samples))
@@ -258,6 +258,11 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            if req.pooling_params is not None:  # pooled once its prompt is computed: nothing is generated
+                if req.num_computed_tokens == req.num_tokens:
+                    self._end(req, RequestStatus.FINISHED_STOPPED)
+                    finished.append(req)
+                continue
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -267,12 +272,16 @@ class Scheduler:
                 req.audio_frames.append(frame)
             status = self._check_stop(req, token)
             if status is not None:
-                self.running.remove(req)
-                req.status = status
-                self.kv_cache.free(req)
-                self._forget(req)
+                self._end(req, status)
                 finished.append(req)
         return finished
+
+    def _end(self, req: Request, status: RequestStatus) -> None:
+        """A running request is done: its blocks go back."""
+        self.running.remove(req)
+        req.status = status
+        self.kv_cache.free(req)
+        self._forget(req)
 
     @staticmethod
     def _check_stop(req: Request, token: int) -> RequestStatus | None:

@@ -4,11 +4,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import torch
+
 from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine, PromptType
-from pagedllm.outputs import RequestOutput
+from pagedllm.entrypoints.scoring import Text, check_scores, cosine_scores, pair_prompt, score_pairs
+from pagedllm.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,11 +66,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Outputs in the order of the prompts. One SamplingParams for all, or one per prompt.
         `priority`: one per prompt (vLLM's: lower is more important; decides who is preempted first)."""
-        if isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -97,8 +97,55 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, prompts: list, params_list: list[SamplingParams], use_tqdm: bool,
-             priorities: list[int] | None = None) -> list[RequestOutput]:
+    # -- the pooling runner (--runner pooling): embeddings, classifiers, scores ----------------------------------
+    def encode(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+               use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled output, in the order of the prompts (a pooling model's: embeddings or probabilities).
+        `truncate_prompt_tokens`: keep each prompt's last N tokens (-1: max_model_len)."""
+        pooler = self.llm_engine.config.model.pooler
+        params = pooling_params or PoolingParams(pooler.task if pooler is not None else "embed")
+        prompts = [self._truncated(p, truncate_prompt_tokens) for p in _prompt_list(prompts)]
+        return self._run(prompts, [params] * len(prompts), use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Embeddings (`out.outputs.embedding`), of an embedding model."""
+        return self.encode(prompts, pooling_params or PoolingParams("embed"), use_tqdm, truncate_prompt_tokens)
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], pooling_params: PoolingParams | None = None,
+                 use_tqdm: bool = True, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """A classifier's probabilities (`out.outputs.probs`)."""
+        return self.encode(prompts, pooling_params or PoolingParams("classify"), use_tqdm, truncate_prompt_tokens)
+
+    def score(self, data_1: Text | list[Text], data_2: Text | list[Text], use_tqdm: bool = True,
+              truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Relevance of each pair (`out.outputs.score`), vLLM's pairing (scoring.score_pairs): a cross-encoder reads
+        each pair as one prompt; an embedding model scores the cosine similarity of the two sides' embeddings."""
+        pooler = self.llm_engine.config.model.pooler
+        check_scores(pooler)
+        pairs = score_pairs(data_1, data_2, ("data_1", "data_2"))
+        if pooler.task == "classify":
+            tokenizer = self.llm_engine.tokenizer
+            prompts = [pair_prompt(tokenizer, pooler, q, d) for q, d in pairs]
+            return self.classify(prompts, None, use_tqdm, truncate_prompt_tokens)
+        embedded = self.embed([side for pair in pairs for side in pair], None, use_tqdm, truncate_prompt_tokens)
+        scores = cosine_scores([e.outputs.data for e in embedded[0::2]], [e.outputs.data for e in embedded[1::2]])
+        return [PoolingRequestOutput(f"score-{i}", None, q.prompt_token_ids + d.prompt_token_ids,
+                                     PoolingOutput(torch.tensor([s])))
+                for i, (q, d, s) in enumerate(zip(embedded[0::2], embedded[1::2], scores))]
+
+    def _truncated(self, prompt: PromptType, keep: int | None) -> PromptType:
+        if keep is None:
+            return prompt
+        if keep == -1:
+            keep = self.llm_engine.config.model.max_model_len
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"truncate_prompt_tokens must be -1 (max_model_len) or an integer >= 1, got {keep!r}.")
+        _, ids = self.llm_engine.tokenize_prompt(prompt)
+        return {"prompt_token_ids": ids[-keep:]}
+
+    def _run(self, prompts: list, params_list: list[SamplingParams | PoolingParams], use_tqdm: bool,
+             priorities: list[int] | None = None) -> list[RequestOutput | PoolingRequestOutput]:
         engine = self.llm_engine
         ids = []
         priorities = priorities or [0] * len(prompts)
@@ -117,3 +164,12 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[rid] for rid in ids]
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list:
+    """One prompt (a text, a dict, a list of token ids) or several, as a list."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+    ):
+        return [prompts]
+    return list(prompts)

@@ -167,6 +167,7 @@ def settings_from(engine_config) -> PlanSettings:
         quantization=c.model.quantization, cpu_offload_bytes=c.model.cpu_offload_bytes,
         swap_space_bytes=c.cache.swap_space_bytes, cuda_graph_sizes=planned_graph_sizes(c),
         tensor_parallel_size=c.parallel.tensor_parallel_size, worker_processes=planned_workers(c),
+        pooling=c.model.pooler is not None,
     )
 
 

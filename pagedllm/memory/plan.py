@@ -64,6 +64,7 @@ class PlanSettings:
     # Worker processes beside the engine, (what they do, the host memory each may hold): started when first
     # needed, each capped (isolated_worker.py); part of this plan where the device shares the host's memory.
     worker_processes: tuple[tuple[str, int], ...] = ()
+    pooling: bool = False  # the pooling runner: requests end with their prompt, nothing decodes
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -329,8 +330,12 @@ class MemoryPlan:
     def max_useful_blocks(self) -> int:
         """max_num_seqs sequences of max_model_len: more blocks could never be used at once (with windows: as
         they decode, plus one's last prompt chunk and the null block)."""
+        s = self.settings
+        if s.pooling:  # prompts only, chunked: at most one is part-computed across steps, beside one step's batch
+            batch = self.sequence_blocks(s.max_num_batched_tokens) + min(s.max_num_seqs, s.max_num_batched_tokens)
+            return self.seq_blocks + batch
         decoding = self.sequence_blocks(max(self.max_model_len, 1))
-        return (self.settings.max_num_seqs - 1) * decoding + self.seq_blocks
+        return (s.max_num_seqs - 1) * decoding + self.seq_blocks
 
     @property
     def num_blocks(self) -> int:
@@ -706,7 +711,7 @@ class MemoryPlan:
              f"tp={s.tensor_parallel_size}" if s.tensor_parallel_size > 1 else ""),
             (f"one sequence of max_model_len {self.max_model_len}", fmt_bytes(self.seq_bytes), ""),
             ("KV cache allocated", f"{fmt_bytes(self.kv_cache_bytes)} = {self.num_blocks} blocks x "
-             f"{s.block_size} tokens", "capped at max_num_seqs x max_model_len"
+             f"{s.block_size} tokens", self._kv_cap_note
              if self.num_blocks == self.max_useful_blocks < self.blocks_that_fit else ""),
             ("holds", f"{self.max_tokens_in_cache} tokens = {self.full_attention_concurrency:.1f} x max_model_len",
              "of every layer's K/V" if self.windows is not None else ""),
@@ -733,6 +738,12 @@ class MemoryPlan:
         else:
             lines += self._page_cache_lines() + self._preemption_lines()
         return "\n".join(lines)
+
+    @property
+    def _kv_cap_note(self) -> str:
+        if self.settings.pooling:
+            return "capped: pooling, prompts only (one max_model_len prompt + one step's batch)"
+        return "capped at max_num_seqs x max_model_len"
 
     def _page_cache_rows(self) -> list[tuple[str, str, str]]:
         d = self.device
@@ -865,6 +876,7 @@ class MemoryPlan:
             "max_concurrency_full_attention": round(self.full_attention_concurrency, 3),
             "kv_groups": None if self.windows is None else self.windows.describe(),
             "max_num_batched_tokens": self.settings.max_num_batched_tokens,
+            "pooling": self.settings.pooling,
             "tensor_parallel_size": self.settings.tensor_parallel_size,
             "sources": {"weights": self.model.weights_source, "activation": self.model.activation_source,
                         "overhead": self.model.overhead_source, "device": self.device.source,

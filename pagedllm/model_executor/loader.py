@@ -19,6 +19,7 @@ from pagedllm.model_executor.meta import on_meta_device
 from pagedllm.model_executor.model_files import weight_files
 from pagedllm.model_executor.moe import GROUPED, FusedMoE
 from pagedllm.model_executor.models.registry import get_model_class
+from pagedllm.model_executor.pooler import attach_pooling_head, finish_pooling_head
 from pagedllm.model_executor.offload import HostLayer, LayerOffloader, offload_layers, offloaded_layer_indices
 from pagedllm.model_executor.quant.config import checkpoint_quant, convert_checkpoint
 from pagedllm.model_executor.quant.experts import init_dummy_experts
@@ -54,6 +55,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     try:
         with on_meta_device():  # no time spent on an init we overwrite
             model = model_cls(model_config.hf_config, max_positions=model_config.max_model_len)
+            if model_config.pooler is not None:
+                attach_pooling_head(model, model_config.pooler)
     finally:
         torch.set_default_dtype(prev_dtype)
     # int8 weights are built in host memory: the device only ever holds their final form. Quantizing
@@ -72,6 +75,8 @@ def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
         _init_dummy_weights(model, model_config.seed, device)
     else:
         _load_safetensors(model, model_config, stored_formats)
+    if model_config.pooler is not None:
+        finish_pooling_head(model, model_config.pooler)
     model.eval()
     return _place_weights(model, model_config, device, build_device, hosts)
 

@@ -34,7 +34,9 @@ from pagedllm.model_executor.cuda_graphs import (
 )
 from pagedllm.model_executor.kv_quant import is_fp8
 from pagedllm.model_executor.loader import load_model
+from pagedllm.model_executor.pooler import Pooler
 from pagedllm.model_executor.request_state import RunnerRequest
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.model_executor.sampler import PendingRows, SampledRow, Sampler
 from pagedllm.model_executor.step_buffers import StepBuffers
 from pagedllm.sampling_params import SamplingParams
@@ -59,6 +61,7 @@ class PromptLogprobsChunk:
 class ModelRunnerOutput:
     sampled: dict[str, SampledRow] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # pooling requests done this step: their outputs
 
 
 @dataclass(frozen=True)
@@ -77,14 +80,16 @@ class PendingOutput:
     """A launched step's results: result() waits for the sampled rows, gives each request its token and
     computes the prompt logprobs asked for."""
 
-    def __init__(self, requests: list[RunnerRequest], sampled: PendingRows | None, prompt_spans: list) -> None:
+    def __init__(self, requests: list[RunnerRequest], sampled: PendingRows | None, prompt_spans: list,
+                 pooled: dict[str, torch.Tensor] | None = None) -> None:
         self._requests, self._sampled, self._prompt_spans = requests, sampled, prompt_spans
+        self._pooled = pooled or {}
         self._output: ModelRunnerOutput | None = None
 
     @torch.inference_mode()
     def result(self) -> ModelRunnerOutput:
         if self._output is None:
-            out = ModelRunnerOutput()
+            out = ModelRunnerOutput(pooled=self._pooled)
             if self._sampled is not None:
                 for req, row in zip(self._requests, self._sampled.rows()):
                     out.sampled[req.request_id] = row
@@ -111,6 +116,8 @@ class ModelRunner:
         self.attn_backend = self.attn_backends[0]
         self.loaded = load_model(config.model, self.device)
         self.model = self.loaded.model
+        # The pooling runner's (embeddings, classifiers): requests pooled at their prompt's end, nothing sampled.
+        self.pooler = None if m.pooler is None else Pooler(m.pooler, getattr(self.model, "score", None))
         if config.batch_invariant:
             make_linears_batch_invariant(self.model)
         s = config.scheduler
@@ -139,6 +146,8 @@ class ModelRunner:
         """Why decode steps run eagerly (None: they replay CUDA graphs, or their CPU twin)."""
         if self.config.enforce_eager:
             return "--enforce-eager"
+        if self.config.model.pooler is not None:
+            return "the pooling runner has no decode steps"
         if not self.attn_backend.supports_graphs:
             return f"the {self.attn_backend.name} attention backend builds its inputs on the host each step"
         if self.loaded.offloads:
@@ -335,8 +344,27 @@ class ModelRunner:
             input_ids.extend(req.all_token_ids[c:c + s.num_new_tokens])
         with phase("forward"):
             hidden = self._forward(step, reqs, starts, lengths, tables, input_ids)  # (tokens, hidden)
+        if self.pooler is not None:
+            with phase("pool"):
+                return PendingOutput([], None, [], self._pool(step, reqs, starts, lengths, hidden))
         with phase("sample"):
             return self._launch_sampling(step, reqs, starts, lengths, hidden)
+
+    def _pool(self, step: StepInput, reqs: list[RunnerRequest], starts: list[int], lengths: list[int],
+              hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each request's states into its pool; the outputs of those whose prompt ended this step."""
+        done, pooled, offset = [], [], 0
+        for s, req, c, n in zip(step.scheduled, reqs, starts, lengths):
+            rows = hidden[offset:offset + n]
+            self.pooler.add(req.pooling, c, rows)
+            if s.samples:
+                done.append(req)
+                pooled.append(self.pooler.pooled(req.pooling, rows[-1]))
+            offset += n
+        if not done:
+            return {}
+        outputs = self.pooler.outputs(torch.stack(pooled), [req.pooling_params for req in done])
+        return {req.request_id: out for req, out in zip(done, outputs)}
 
     def _launch_sampling(self, step: StepInput, reqs: list[RunnerRequest], starts: list[int], lengths: list[int],
                          hidden: torch.Tensor) -> PendingOutput:
@@ -442,6 +470,9 @@ class ModelRunner:
                      for backend in self.attn_backends]  # (every group writes the scratch blocks: they are scratch)
             with forward_context(metas):
                 hidden = self.model(ids, metas[0].positions, **audio)
+            if self.pooler is not None:  # a pooling step's end: every row pooled
+                self.pooler.outputs(hidden[:rows], [PoolingParams(self.pooler.config.task)] * rows)
+                return
             logits = self.compute_logits(hidden[:rows])
             if logits is None:  # a tensor-parallel worker: rank 0 samples
                 return
@@ -465,6 +496,8 @@ class ModelRunner:
         # Every power of two up to `rows` on a GPU (kernels load lazily there); one size on a CPU.
         decode_sizes = sorted({rows, *(1 << k for k in range(rows.bit_length()) if 1 << k < rows)}) \
             if self.device.type == "cuda" else [rows]
+        if self.pooler is not None:
+            decode_sizes = []  # (a pooling runner never decodes)
         try:
             peak = measure_peak_bytes(step, self.device)
             for n in decode_sizes:

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pagedllm.step_input import Frame, NewRequestData, TokenSequence, frames_between
+from pagedllm.model_executor.pooler import PoolingState
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -22,6 +24,8 @@ class RunnerRequest(TokenSequence):
     all_token_ids: list[int] = field(default_factory=list)  # prompt + sampled
     prompt_frames: list[Frame | None] | None = None
     audio_state: AudioGenerationState | None = None
+    pooling_params: PoolingParams | None = None
+    pooling: PoolingState = field(default_factory=PoolingState)  # a pooling request's pool so far
 
     def __post_init__(self) -> None:
         if self.sampling_params.ignore_eos:  # eos is then an ordinary token (as the engine's Request has it)
@@ -30,7 +34,7 @@ class RunnerRequest(TokenSequence):
     @classmethod
     def from_new(cls, new: NewRequestData) -> RunnerRequest:
         return cls(new.request_id, list(new.prompt_token_ids), new.sampling_params, frozenset(new.eos_token_ids),
-                   list(new.prompt_token_ids), new.prompt_frames, new.audio_state)
+                   list(new.prompt_token_ids), new.prompt_frames, new.audio_state, new.pooling_params)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,7 +27,9 @@ def test_the_engine_reaches_the_runner_only_through_the_executor_interface():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute):
-                assert node.attr != "runner", f"{path.name}:{node.lineno} reaches into a runner"
+                # (EngineArgs.runner is vLLM's setting, generate or pooling: read on the args, never a model runner)
+                settings = path.name == "arg_utils.py" and isinstance(node.value, ast.Name) and node.value.id == "self"
+                assert node.attr != "runner" or settings, f"{path.name}:{node.lineno} reaches into a runner"
                 if isinstance(node.value, ast.Attribute) and node.value.attr == "executor":
                     assert node.attr in interface, f"{path.name}:{node.lineno}: executor.{node.attr} is not the interface"
                     assert not isinstance(node.ctx, ast.Store), f"{path.name}:{node.lineno} sets an executor attribute"

@@ -70,3 +70,31 @@ def test_a_free_reply_streams_its_content_and_sends_its_calls_once_complete():
     assert sent["index"] == 0 and sent["type"] == "function" and sent["id"].startswith("call_")
     assert sent["function"]["name"] == "get_weather" and json.loads(sent["function"]["arguments"]) == {"city": "Paris"}
     assert last["finish_reason"] == "tool_calls" and last["delta"] == {}
+
+
+def test_a_harmony_reply_streams_reasoning_content_then_its_tool_call():
+    """gpt-oss: the reply (read with its special tokens) rewritten by harmony.py at each step, streamed by the
+    reasoning streamer over a free reply with tools (the openai parser): reasoning_content pieces, then the call
+    in one delta once the reply ends; joined, what the whole reply's message holds."""
+    from pagedllm.entrypoints.openai.chat_stream import answer_of
+    from pagedllm.entrypoints.openai.harmony import harmony_to_text
+
+    raw = ('<|channel|>analysis<|message|>The user wants Paris weather.<|end|><|start|>assistant to=functions.'
+           'get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}')
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=[TOOL])
+    tools = ToolUse.of(req, "openai")
+    streamer = streamer_for(0, tools, [], None, reasoning=True, in_reasoning=False)
+    deltas = []
+    for end in range(1, len(raw) + 1):
+        finish = "stop" if end == len(raw) else None
+        deltas += [c["delta"] for c in _sent(streamer.chunks(_out(harmony_to_text(raw[:end], finish is not None),
+                                                                  finish)))]
+    reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+    calls = [call for d in deltas for call in d.get("tool_calls") or []]
+    answer, whole_reasoning = answer_of(_out(harmony_to_text(raw, True), "stop"), False)
+    message, finish = tools.reply(answer)
+    assert reasoning == whole_reasoning == "The user wants Paris weather."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"})] == [(t.function.name, json.loads(t.function.arguments))
+                                               for t in message.tool_calls]
+    assert finish == "tool_calls" and not any(d.get("content") for d in deltas) and message.content is None

@@ -24,6 +24,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"t
      "</parameter>\n</function>\n</tool_call>", "qwen3_coder"),
     ("{{ bos_token }}Environment: ipython ... <|python_tag|>{{ m }}", "llama3_json"),
     ({"default": QWEN_LIKE, "rag": "plain"}, "hermes"),
+    ("{%- if tools %}[AVAILABLE_TOOLS]{{ tools|tojson }}[/AVAILABLE_TOOLS]{% endif %} ... [TOOL_CALLS]", "mistral"),
+    ("<|start|>assistant to=functions.{{ name }}<|channel|>commentary json<|message|>{{ args }}<|call|>", "openai"),
     ("{% for m in messages %}{{ m['content'] }}{% endfor %}", None),
     (None, None),
 ])

@@ -2,6 +2,7 @@
 replies cut at every point, markers split across pieces included)."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -82,7 +83,8 @@ def thinking_url(tiny_llama, tmp_path_factory):
     proc, url = start_command(lambda port: [
         sys.executable, "-m", "pagedllm", "serve", str(tiny_llama), "--served-model-name", "tiny", "--port", str(port),
         "--dtype", "float32", "--max-model-len", "256", "--reasoning-parser", "qwen3", "--chat-template",
-        str(template)], tmp_path_factory.mktemp("reasoning"))
+        str(template), "--structured-outputs-config", '{"enable_in_reasoning": true}'],  # (the regex scripts it all)
+        tmp_path_factory.mktemp("reasoning"))
     yield url
     _stop_server(proc)
 
@@ -134,3 +136,65 @@ def test_chat_template_kwargs_may_not_set_what_the_request_sets(thinking_url):
         "chat_template_kwargs": {"add_generation_prompt": False}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs"
     assert "add_generation_prompt" in r.json()["error"]["message"]
+
+
+# gpt-oss' harmony replies (read with their special tokens), rewritten by harmony.py: (reply, reasoning, content,
+# calls). The prompt ends with `<|start|>assistant`: the reply starts in a message's header.
+HARMONY = [
+    ("<|channel|>analysis<|message|>User greets.<|end|><|start|>assistant<|channel|>final<|message|>Hello!",
+     "User greets.", "Hello!", []),
+    ("<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant to=functions.get_weather"
+     "<|channel|>commentary <|constrain|>json<|message|>{\"city\": \"Paris\"}", "Need the weather.", None,
+     [("get_weather", {"city": "Paris"})]),
+    # the recipient after the channel, a preamble the user sees, two analysis messages
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
+     "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+     "to=functions.add <|constrain|>json<|message|>{\"x\": 1}", "a\n\nb", "Checking.", [("add", {"x": 1})]),
+    ("<|channel|>final<|message|>No thinking.", None, "No thinking.", []),
+    ("<|channel|>analysis<|message|>max_tokens ran out while thinking", "max_tokens ran out while thinking", "", []),
+    # a call whose arguments do not parse stays content (as every parser's malformed calls)
+    ("<|channel|>commentary to=functions.add<|message|>{not json", None,
+     '<tool_call>{"name": "add", "arguments": {not json}</tool_call>', []),
+]
+
+
+@pytest.mark.parametrize("raw,reasoning,content,calls", HARMONY)
+def test_a_harmony_reply_splits_by_channel(raw, reasoning, content, calls):
+    from pagedllm.entrypoints.openai.harmony import harmony_to_text
+    from pagedllm.entrypoints.openai.tool_calls import parse_tool_calls
+
+    split = split_reasoning(harmony_to_text(raw, finished=True), in_reasoning=False)
+    assert split.reasoning == reasoning
+    got_content, got_calls = parse_tool_calls("openai", split.content)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+
+
+@pytest.mark.parametrize("raw", [case[0] for case in HARMONY])
+def test_a_streamed_harmony_reply_joins_to_the_whole_split(raw):
+    """Cut at every character (special tokens arrive whole from the detokenizer; cut inside, they are held back
+    too): the rewrite of each prefix is a prefix of the whole reply's, so the stream sends what the whole does."""
+    from pagedllm.entrypoints.openai.harmony import harmony_to_text
+
+    whole = harmony_to_text(raw, finished=True)
+    cursor, sent_reasoning, sent_content = ReasoningCursor(False), "", ""
+    for end in range(1, len(raw) + 1):
+        text = harmony_to_text(raw[:end], finished=False)
+        assert whole.startswith(text), (raw[:end], text)
+        new_reasoning, new_content = cursor.advance(text, finished=False)
+        sent_reasoning, sent_content = sent_reasoning + new_reasoning, sent_content + new_content
+    new_reasoning, new_content = cursor.advance(whole, finished=True)
+    split = split_reasoning(whole, False)
+    assert (sent_reasoning + new_reasoning, sent_content + new_content) == (split.reasoning or "", split.content)
+
+
+@pytest.mark.parametrize("parser,prompt,marker", [
+    ("qwen3", "<|im_start|>assistant\n", "</think>"),  # the model opens (and closes) its block
+    ("deepseek_r1", "<|im_start|>assistant\n<think>\n", "</think>"),  # the template opened it
+    ("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n", None),  # enable_thinking false: closed already
+    ("gpt_oss", "<|start|>assistant", "<|channel|>final<|message|>"),
+])
+def test_a_constraint_starts_where_the_reasoning_ends(parser, prompt, marker):
+    from pagedllm.entrypoints.openai.reasoning import reasoning_end
+
+    assert reasoning_end(parser, prompt) == marker

@@ -112,6 +112,18 @@ def test_bad_tool_requests_get_a_400_naming_the_field(http, body, param):
                     '{"name": "add", "parameters": {"a": 5, "b": 6}}', None,
      [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 6})]),
     ("llama3_json", "The answer is 3.", "The answer is 3.", []),
+    # Mistral, tokenizers before v11: a JSON array after [TOOL_CALLS] (a special token: the text keeps it)
+    ("mistral", '[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "add", "arguments": '
+                '{"a": 3, "b": 4}}]', None, [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]),
+    # v11 on (Mistral Small 3.2, Devstral, Magistral): NAME[ARGS]{...} after each [TOOL_CALLS]; v13 adds [CALL_ID]
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]add[CALL_ID]a1B2c3D4e[ARGS]'
+                '{"a": 5, "b": 6}', "Checking.", [("get_weather", {"city": "Oslo"}), ("add", {"a": 5, "b": 6})]),
+    ("mistral", "[TOOL_CALLS]get_weather[ARGS]{\"city\": ", "[TOOL_CALLS]get_weather[ARGS]{\"city\": ", []),
+    ("mistral", '[TOOL_CALLS] [{"arguments": {}}]', '[TOOL_CALLS] [{"arguments": {}}]', []),  # no name: content
+    ("mistral", "Just text.", "Just text.", []),
+    # gpt-oss: harmony calls as harmony.py rewrites them (the openai parser reads <tool_call> blocks)
+    ("openai", '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>', None,
+     [("get_weather", {"city": "Oslo"})]),
 ])
 def test_tool_call_parsers(parser, text, content, calls):
     got_content, got = parse_tool_calls(parser, text)
@@ -148,6 +160,9 @@ def test_partial_calls_read_every_prefix_of_a_reply():
     ("llama3_json", "  {\"name\": \"add\"", ""),
     ("llama3_json", "<|python", ""),
     ("llama3_json", "Sunny today ", "Sunny today"),
+    ("mistral", "Let me check.[TOOL_C", "Let me check."),
+    ("mistral", "Let me check. [TOOL_CALLS]get_weather[ARGS]{", "Let me check."),
+    ("mistral", "[ not a call", "[ not a call"),
 ])
 def test_the_content_of_a_free_reply_streams_until_a_call_may_begin(parser, text, streamed):
     assert content_so_far(parser, text) == streamed

@@ -7,6 +7,7 @@ routes.py), drain on SIGTERM, shutdown.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -24,7 +25,8 @@ from pagedllm.entrypoints.openai.generation_defaults import GenerationDefaults, 
 from pagedllm.entrypoints.openai.limits import RequestLimits, add_limit_args
 from pagedllm.entrypoints.openai.request_templates import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.shutdown import CLOSE_GRACE_S, DrainingServer
-from pagedllm.entrypoints.openai.reasoning import REASONING_PARSERS
+from pagedllm.entrypoints.openai.harmony import is_harmony_template
+from pagedllm.entrypoints.openai.reasoning import HARMONY_PARSERS, REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS, tool_call_parser_for_template
 from pagedllm.entrypoints.openai.routes import build_app
 from pagedllm.metrics import EngineMetrics
@@ -62,13 +64,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                    help="let the model decide when to call tools (tool_choice auto); needs --tool-call-parser")
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="how tool calls are read from the model's reply: hermes (<tool_call> JSON blocks: Qwen, "
-                        "Hermes), llama3_json (a JSON object: Llama 3.1+) or qwen3_coder (<tool_call> XML blocks: "
-                        "Qwen3-Coder); unset, picked from the chat template where it shows one")
-    g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS) + ["gpt_oss"],
-                   help="send a thinking model's think block (<think> ... </think>) as reasoning_content, apart from "
-                        "the answer's content: deepseek_r1 or qwen3 (both read the block; whether the reply starts "
-                        "inside it is read from the rendered prompt); gpt_oss (harmony channels) is refused at "
-                        "start: not implemented yet")
+                        "Hermes), llama3_json (a JSON object: Llama 3.1+), qwen3_coder (<tool_call> XML blocks: "
+                        "Qwen3-Coder), mistral ([TOOL_CALLS]: Mistral, Devstral, Magistral) or openai (gpt-oss' "
+                        "harmony function calls); unset, picked from the chat template where it shows one")
+    g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="send a thinking model's reasoning as reasoning_content, apart from the answer's content (a "
+                        "structured output then starts after it): deepseek_r1 or qwen3 read a think block (<think> "
+                        "... </think>; whether the reply starts inside it is read from the rendered prompt); gpt_oss "
+                        "(or openai_gptoss) reads gpt-oss' harmony channels, and is picked when the chat template "
+                        "renders harmony")
+    g.add_argument("--structured-outputs-config", default=None, type=_structured_outputs_config,
+                   help="JSON, vLLM's: {\"enable_in_reasoning\": true} constrains a thinking model's whole reply, its "
+                        "reasoning included; by default (false) a structured output starts after the reasoning")
     add_cors_args(g)
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a request's head (request line and headers) may take to arrive; slower "
@@ -112,6 +119,29 @@ def refuse_unimplemented(ns: argparse.Namespace) -> None:
                 .replace("  ", " "))
 
 
+STRUCTURED_OUTPUTS_CONFIG_KEYS = ("enable_in_reasoning", "backend")
+
+
+def _structured_outputs_config(value: str) -> dict:
+    """--structured-outputs-config: the keys pagedllm reads (backend: xgrammar, the only one, or auto)."""
+    try:
+        config = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    unknown = set(config) - set(STRUCTURED_OUTPUTS_CONFIG_KEYS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"keys {sorted(unknown)} are not supported; these are: "
+                                         f"{', '.join(STRUCTURED_OUTPUTS_CONFIG_KEYS)}")
+    if config.get("backend", "xgrammar") not in ("xgrammar", "auto"):
+        raise argparse.ArgumentTypeError(f"backend {config['backend']!r}: pagedllm's structured outputs are xgrammar's "
+                                         f"(xgrammar or auto)")
+    if not isinstance(config.get("enable_in_reasoning", False), bool):
+        raise argparse.ArgumentTypeError("enable_in_reasoning must be true or false")
+    return config
+
+
 def _read_chat_template(value: str | None) -> str | None:
     if value is None:
         return None
@@ -140,9 +170,6 @@ def run_server(ns: argparse.Namespace) -> int:
     from pagedllm.entrypoints.llm import load_tokenizer
 
     refuse_unimplemented(ns)
-    if ns.reasoning_parser == "gpt_oss":
-        raise ValueError("--reasoning-parser gpt_oss (harmony channels) is not implemented yet, and pagedllm never "
-                         "accepts a flag it would ignore; deepseek_r1 and qwen3 are (think blocks).")
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser ({', '.join(TOOL_CALL_PARSERS)})")
     chat_template = _read_chat_template(ns.chat_template)
@@ -158,10 +185,27 @@ def run_server(ns: argparse.Namespace) -> int:
         return serve_data_parallel(ns, api_key)
     tokenizer = load_tokenizer(config.model.tokenizer) if config.model.tokenizer else None
     tool_call_parser = ns.tool_call_parser if ns.enable_auto_tool_choice else None
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    reasoning_parser = ns.reasoning_parser
+    if is_harmony_template(template if isinstance(template, str) else None):
+        if reasoning_parser is None:  # without it the reply's channels would be read as text
+            reasoning_parser = "gpt_oss"
+            logger.info("the chat template renders harmony (gpt-oss): replies are read by channel (--reasoning-parser "
+                        "gpt_oss): analysis as reasoning_content, final as content, function calls as tool_calls")
+        elif reasoning_parser not in HARMONY_PARSERS:
+            raise ValueError(f"--reasoning-parser {reasoning_parser} reads think blocks; this model's chat template "
+                             f"renders harmony channels: use gpt_oss (or leave the flag out).")
+    elif reasoning_parser in HARMONY_PARSERS:
+        raise ValueError(f"--reasoning-parser {reasoning_parser} reads gpt-oss' harmony channels, and this model's chat "
+                         f"template does not render them (deepseek_r1 and qwen3 read think blocks).")
+    if ns.tool_call_parser == "openai" and reasoning_parser not in HARMONY_PARSERS:
+        raise ValueError("--tool-call-parser openai reads gpt-oss' harmony function calls, and this model's chat "
+                         "template does not render harmony: name the parser of its call format (hermes, "
+                         "llama3_json, qwen3_coder, mistral).")
     if not ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         # Chat front-ends (Open WebUI) send their tools with no tool_choice, i.e. auto: read the calls in the
         # format the model's own template renders, rather than refuse every such chat.
-        tool_call_parser = tool_call_parser_for_template(chat_template or getattr(tokenizer, "chat_template", None))
+        tool_call_parser = tool_call_parser_for_template(template)
         if tool_call_parser is not None:
             logger.info("tool_choice auto reads %s tool calls: the format the chat template renders tools in "
                         "(--enable-auto-tool-choice --tool-call-parser NAME to choose)", tool_call_parser)
@@ -185,7 +229,8 @@ def run_server(ns: argparse.Namespace) -> int:
     app = build_app(engine, names, api_key, chat_template, metrics, audio, ns.max_request_body_bytes,
                     ns.max_waiting_requests, tool_call_parser,
                     RequestLimits.from_args(ns), request_templates, ns.body_timeout, ns.require_api_key_for_metrics,
-                    generation_defaults, ns.reasoning_parser)
+                    generation_defaults, reasoning_parser,
+                    constrain_reasoning=(ns.structured_outputs_config or {}).get("enable_in_reasoning", False))
     generation_defaults.log(ns.generation_config)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
                 llm_engine.config.model.max_model_len)

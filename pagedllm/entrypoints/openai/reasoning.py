@@ -10,27 +10,37 @@ thought) is all reasoning.
 
 Streaming sends exactly what the whole reply splits into: the split of a prefix of the text is a prefix of the
 whole split, once the tail that could still become a marker (`</thi`) is held back.
+
+gpt-oss' harmony channels (`gpt_oss`, vLLM's `openai_gptoss`) are read as the same split: harmony.py rewrites the
+reply (read with its special tokens) as a think block and an answer.
+
+A structured output (or a tool_choice that constrains the reply) applies to the answer: its grammar starts after
+the reasoning's end (`reasoning_end`), the thinking before it is free.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's names for the think-block format
+from pagedllm.entrypoints.openai.harmony import FINAL_HEADER
+from pagedllm.entrypoints.openai.text_markers import held_back
+
+HARMONY_PARSERS = ("gpt_oss", "openai_gptoss")
+REASONING_PARSERS = ("deepseek_r1", "qwen3") + HARMONY_PARSERS  # vLLM's names
 START, END = "<think>", "</think>"
+
+
+def reasoning_end(parser: str, prompt: str) -> str | None:
+    """The text after which a reply's answer begins (a constraint's start), or None where the prompt already ended
+    the reasoning (Qwen3 with enable_thinking false closes an empty block there)."""
+    if parser in HARMONY_PARSERS:
+        return FINAL_HEADER
+    return None if prompt.rstrip().endswith(END) else END
 
 
 def opens_reasoning(prompt: str) -> bool:
     """Whether the prompt ends inside an open think block (its template opened it for the reply)."""
     start = prompt.rfind(START)
     return start >= 0 and prompt.find(END, start) < 0
-
-
-def _held_back(text: str, marker: str) -> int:
-    """How many characters at the end of `text` are a proper prefix of `marker` (they may become it)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,7 @@ def split_reasoning(text: str, in_reasoning: bool, finished: bool = True) -> Rea
     if end >= 0:
         return ReasoningSplit(body[:end], body[end + len(END):])
     if not finished:
-        body = body[:len(body) - _held_back(body, END)]
+        body = body[:len(body) - held_back(body, END)]
     return ReasoningSplit(body, "")
 
 

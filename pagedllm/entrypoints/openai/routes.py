@@ -16,7 +16,7 @@ from pagedllm.engine.async_engine import AsyncLLMEngine, EngineDeadError, Reques
 from pagedllm.entrypoints.openai import serving_audio
 from pagedllm.audio.io import AUDIO_CONTENT_TYPES
 from pagedllm.entrypoints.openai.audio_args import AudioServerConfig
-from pagedllm.entrypoints.openai import messages_api, responses_api
+from pagedllm.entrypoints.openai import messages_api, pooling_api, responses_api
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
 from pagedllm.entrypoints.openai.messages_api import (
     MESSAGES_PATHS,
@@ -72,14 +72,15 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
               max_waiting_requests: int | None = None, tool_call_parser: str | None = None,
               limits: RequestLimits | None = None, request_templates: RequestTemplateRenderer | None = None,
               body_timeout_s: float = 30.0, metrics_need_key: bool = False,
-              generation_defaults: GenerationDefaults | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              generation_defaults: GenerationDefaults | None = None, reasoning_parser: str | None = None,
+              constrain_reasoning: bool = False) -> FastAPI:
     """The API; app.state.guard is the ASGI app to serve (the body limit and draining in front of it)."""
     llm_engine = engine.engine
     max_model_len = llm_engine.config.model.max_model_len
     ctx = ServingContext(engine, served_names, max_model_len, chat_template, max_waiting_requests, tool_call_parser,
                          limits=limits or RequestLimits(), request_templates=request_templates,
                          generation_defaults=generation_defaults or GenerationDefaults(),
-                         reasoning_parser=reasoning_parser)
+                         reasoning_parser=reasoning_parser, constrain_reasoning=constrain_reasoning)
     app = FastAPI(title="pagedllm", version=pagedllm.__version__)
     app.state.guard = guard = ServerGuard(app, max_body_bytes or default_max_body_bytes(max_model_len), api_key,
                                           body_timeout_s, max_prompt_tokens=max_model_len,
@@ -94,6 +95,8 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         if metrics is not None:
             app.state.audio.on_cache_lookup = metrics.on_mm_cache_lookup
     with_audio = app.state.audio is not None  # (the audio routes are documented only where they serve)
+    # The document names what this server's runner serves: generation, or pooling (the others answer a 400 saying so).
+    generates = llm_engine.config.model.pooler is None
     created = int(time.time())
 
     def serving() -> None:
@@ -192,32 +195,35 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
             return JSONBody(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
-    @app.post("/v1/completions", dependencies=v1,
+    @app.post("/v1/completions", dependencies=v1, include_in_schema=generates,
               responses={200: stream_ok(CompletionResponse, "The completion"), **GENERATION})
     async def completions(body: CompletionRequest, raw: Request):
+        ctx.require_generate("Completions")
         return await respond(await create_completion(ctx, body, raw))
 
-    @app.post("/v1/chat/completions", dependencies=v1,
+    @app.post("/v1/chat/completions", dependencies=v1, include_in_schema=generates,
               responses={200: stream_ok(ChatCompletionResponse, "The chat completion", ChatCompletionChunk),
                          **GENERATION})
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        ctx.require_generate("Chat Completions")
         if serving_audio.wants_audio(body):
             return await respond(await serving_audio.create_audio_chat_completion(_audio(), body, raw))
         return await respond(await create_chat_completion(ctx, body, raw))
 
     anthropic_errors = error_responses(400, 401, 404, 413, 503, model=messages_api.AnthropicErrorResponse)
 
-    @app.post("/v1/messages", dependencies=v1,
+    @app.post("/v1/messages", dependencies=v1, include_in_schema=generates,
               responses={200: events_ok(messages_api.AnthropicMessage, "Anthropic's Messages API: the message",
                                         messages_api.AnthropicEvent), **anthropic_errors})
     async def messages(body: MessagesRequest, raw: Request):
+        ctx.require_generate("Messages")
         model = ctx.model_name(body.model)
         reply = await create_chat_completion(ctx, messages_api.chat_request(body), raw)
         if body.stream:
             return StreamingResponse(messages_api.stream_from_chat(reply, body, model), media_type="text/event-stream")
         return JSONResponse(messages_api.message_from_chat(reply, body, model))
 
-    @app.post("/v1/messages/count_tokens", dependencies=v1,
+    @app.post("/v1/messages/count_tokens", dependencies=v1, include_in_schema=generates,
               responses={200: json_ok(messages_api.CountTokensResponse, "The prompt's tokens"), **anthropic_errors})
     async def count_tokens(body: CountTokensRequest, raw: Request):
         ctx.model_name(body.model)
@@ -225,16 +231,37 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         _, ids = await ctx.render_chat(messages, ctx.chat_template, True, tools, raw=raw)
         return JSONResponse({"input_tokens": len(ids)})
 
-    @app.post("/v1/responses", dependencies=v1,
+    @app.post("/v1/responses", dependencies=v1, include_in_schema=generates,
               responses={200: events_ok(responses_api.ResponseObject, "The response (stateless: nothing is stored)",
                                         responses_api.ResponseEvent), **GENERATION})
     async def responses(body: responses_api.ResponsesRequest, raw: Request):
+        ctx.require_generate("Responses")
         model = ctx.model_name(body.model)
         reply = await create_chat_completion(ctx, responses_api.chat_request(body), raw)
         if body.stream:
             return StreamingResponse(responses_api.stream_from_chat(reply, body, model),
                                      media_type="text/event-stream")
         return JSONResponse(responses_api.response_from_chat(reply, body, model))
+
+    pooling_paths = {"embeddings": ["/v1/embeddings"], "score": ["/v1/score", "/score"],
+                     "rerank": ["/v1/rerank", "/rerank", "/v2/rerank"]}
+
+    async def embeddings(body: pooling_api.EmbeddingRequest, raw: Request):
+        return JSONBody(await pooling_api.create_embeddings(ctx, body, raw))
+
+    async def score(body: pooling_api.ScoreRequest, raw: Request):
+        return JSONBody(await pooling_api.create_score(ctx, body, raw))
+
+    async def rerank(body: pooling_api.RerankRequest, raw: Request):
+        return JSONBody(await pooling_api.create_rerank(ctx, body, raw))
+
+    for name, handler, body_model, what in (
+            ("embeddings", embeddings, pooling_api.EmbeddingResponse, "The embeddings (a pooling model's)"),
+            ("score", score, pooling_api.ScoreResponse, "Each pair's relevance (a cross-encoder's or cosine)"),
+            ("rerank", rerank, pooling_api.RerankResponse, "The documents by relevance")):
+        for i, path in enumerate(pooling_paths[name]):  # (vLLM's other spellings, left out of the document)
+            app.post(path, dependencies=v1, include_in_schema=i == 0 and not generates,
+                     responses={200: json_ok(body_model, what), **GENERATION})(handler)
 
     def _audio() -> serving_audio.AudioServing:
         if app.state.audio is None:
@@ -313,4 +340,5 @@ class JSONBody(Response):
 def _is_union_tag(part) -> bool:
     """A validation error's location names the member of a union it was tried against ("str", "list[int]");
     the API's `param` is the field, not that."""
-    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part)
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "dict", "list", "none") or "[" in part
+                                      or part.startswith("constrained-"))  # (a member with a min_length)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -38,12 +39,15 @@ from pagedllm.entrypoints.openai.chat_stream import (
     json_logprob,
     streamer_for,
 )
-from pagedllm.entrypoints.openai.reasoning import opens_reasoning
+from pagedllm.entrypoints.openai.harmony import harmony_to_text
+from pagedllm.entrypoints.openai.reasoning import HARMONY_PARSERS, opens_reasoning, reasoning_end
+from pagedllm.entrypoints.openai.tool_calls import SPECIAL_TOKEN_PARSERS
 from pagedllm.entrypoints.openai.tool_use import ToolUse
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.errors import InvalidParameterError, InvalidPromptError
 from pagedllm.isolated_worker import WorkerCancelled
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -94,6 +98,16 @@ class ServingContext:
     # --generation-config / --override-generation-config: sampling defaults, and a cap on max_tokens.
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     reasoning_parser: str | None = None  # --reasoning-parser: think blocks go to reasoning_content (reasoning.py)
+    # --structured-outputs-config enable_in_reasoning: a constraint applies to the reasoning too (default: after it)
+    constrain_reasoning: bool = False
+
+    def require_generate(self, api: str) -> None:
+        """The generation APIs need the generate runner: a pooling model's server refuses them by name."""
+        pooler = self.engine.engine.config.model.pooler
+        if pooler is not None:
+            raise APIError(400, f"The model does not support the {api} API: this server runs the pooling runner "
+                                f"({pooler.describe()}): /v1/embeddings, /v1/score and /v1/rerank. Serve a "
+                                f"generative model (or this one with --runner generate) to generate.", "model")
 
     def model_name(self, requested: str | None) -> str:
         if requested is None or requested == "":
@@ -162,10 +176,10 @@ class ServingContext:
         finally:
             cancel.set()
 
-    async def compile_constraint(self, params: SamplingParams, raw: Request | None = None) -> None:
+    async def compile_constraint(self, params: SamplingParams | PoolingParams, raw: Request | None = None) -> None:
         """A structured output's grammar, compiled off the engine thread (the engine then finds it cached);
         an invalid schema, regex or grammar, or one over a limit, is a 400 naming its field."""
-        if params.guided_decoding is None:
+        if getattr(params, "guided_decoding", None) is None:  # (a pooling request samples nothing)
             return
         try:
             await self.isolated(self.engine.engine.structured_outputs.compile, raw, params.guided_decoding)
@@ -203,6 +217,19 @@ class ServingContext:
             raise APIError(400, f"the chat template failed on these messages: {e}", "messages") from None
 
 
+
+
+def _after_reasoning(ctx: ServingContext, params: SamplingParams, prompt: str) -> SamplingParams:
+    """Under a reasoning parser, a constraint (a structured output, a tool_choice that constrains) applies to the
+    answer: it starts after the tokens that end the reasoning, unless the prompt already ended it."""
+    constraint = params.guided_decoding
+    if ctx.reasoning_parser is None or constraint is None or ctx.constrain_reasoning:
+        return params
+    marker = reasoning_end(ctx.reasoning_parser, prompt)
+    if marker is None:
+        return params
+    ids = ctx._tokenizer().encode(marker, add_special_tokens=False)
+    return params.clone(guided_decoding=dataclasses.replace(constraint, start_after=tuple(ids)))
 
 
 def _sampling_params(ctx: ServingContext, req, max_tokens: int | None, logprobs: int | None, default_max_tokens,
@@ -306,9 +333,10 @@ def _with_cache_salt(prompt: str | dict, cache_salt: str | None) -> str | dict:
     return {**({"prompt": prompt} if isinstance(prompt, str) else prompt), "cache_salt": cache_salt}
 
 
-async def _start(ctx: ServingContext, prefix: str, prompts: list, params: SamplingParams,
+async def _start(ctx: ServingContext, prefix: str, prompts: list, params: SamplingParams | PoolingParams,
                  cache_salt: str | None = None, priority: int = 0,
-                 admission: Admission | None = None, raw: Request | None = None) -> list[AsyncIterator[RequestOutput]]:
+                 admission: Admission | None = None, raw: Request | None = None,
+                 prompt_param: str = "prompt") -> list[AsyncIterator[RequestOutput]]:
     """Submit every prompt (text tokenized off the engine thread first); the first invalid one aborts those
     already submitted and raises 400. Admitted here (ctx.admit) unless the caller already was (`admission`)."""
     try:
@@ -331,7 +359,7 @@ async def _start(ctx: ServingContext, prefix: str, prompts: list, params: Sampli
     except ValueError as e:  # InvalidPromptError and other bad input
         for rid in ids:
             ctx.engine.abort(rid)
-        param = "prompt" if isinstance(e, InvalidPromptError) else param_of(e)
+        param = prompt_param if isinstance(e, InvalidPromptError) else param_of(e)
         raise APIError(400, str(e), param) from None
     return streams
 
@@ -353,15 +381,17 @@ def check_text(text: str, param: str) -> str:
     return text
 
 
-def _completion_prompts(prompt) -> list:
+def _completion_prompts(prompt, param: str = "prompt") -> list:
+    """A text, texts, token ids or lists of them (the `prompt` of completions, the `input` of embeddings) as the
+    engine's prompts."""
     if isinstance(prompt, str):
-        return [check_text(prompt, "prompt")]
+        return [check_text(prompt, param)]
     if not prompt:
-        raise APIError(400, "prompt must not be empty", "prompt")
+        raise APIError(400, f"{param} must not be empty", param)
     if all(isinstance(t, int) for t in prompt):
         return [{"prompt_token_ids": prompt}]
     if all(isinstance(p, str) for p in prompt):
-        return [check_text(p, "prompt") for p in prompt]
+        return [check_text(p, param) for p in prompt]
     return [{"prompt_token_ids": p} for p in prompt]
 
 
@@ -529,20 +559,32 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             raise APIError(400, f"tool_choice {tools.choice!r} constrains the reply, and so does "
                                 f"{params.guided_decoding.param}: give one", "tool_choice")
         params = params.clone(guided_decoding=tools.constraint)
+    if tools.active and tools.constraint is None and tools.parser in SPECIAL_TOKEN_PARSERS:
+        params = params.clone(skip_special_tokens=False)  # (the parser's call marker is a special token)
+    harmony = ctx.reasoning_parser in HARMONY_PARSERS
+    if harmony:  # its channels are special tokens: the reply is read with them, then rewritten (harmony.py)
+        params = params.clone(skip_special_tokens=False, spaces_between_special_tokens=False)
     messages = _messages(req)
     ctx.limits.check(params, 1, params.max_tokens or ctx.max_model_len, "top_logprobs")
     with ctx.admit() as admission:
         text, ids = await ctx.render_chat(messages, ctx.chat_template, req.add_generation_prompt, tools.rendered,
                                           req.chat_template, raw, req.chat_template_kwargs)
+        params = _after_reasoning(ctx, params, text)
         streams = await _start(ctx, "chatcmpl", [{"prompt": text, "prompt_token_ids": ids}], params, req.cache_salt,
                                req.priority, admission, raw)
     created, rid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-    in_reasoning = ctx.reasoning_parser is not None and opens_reasoning(text)  # the template opened a think block
+    # Whether the template opened a think block (harmony's rewrite opens its own).
+    in_reasoning = ctx.reasoning_parser is not None and not harmony and opens_reasoning(text)
+
+    def reply(c: CompletionOutput) -> CompletionOutput:
+        """The sample as the reasoning parser reads it: a harmony reply rewritten as think block and answer."""
+        return dataclasses.replace(c, text=harmony_to_text(c.text, c.finished())) if harmony else c
 
     if not req.stream:
         (out,) = await _collect(streams, raw)
         choices = []
         for c in out.outputs:
+            c = reply(c)
             answer, reasoning = answer_of(c, in_reasoning) if ctx.reasoning_parser else (c, None)
             message, finish = tools.reply(answer)
             if ctx.reasoning_parser:
@@ -566,7 +608,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
             async for _, out in _merge(streams):
                 current.append(out)
                 del current[:-1]
-                for c in out.outputs:
+                for c in map(reply, out.outputs):
                     if c.index not in streamers:
                         streamers[c.index] = streamer_for(c.index, tools, params.stop,
                                                           (req.top_logprobs or 0) if req.logprobs else None,

@@ -4,7 +4,9 @@ vLLM's --tool-call-parser) that turn a reply into `message.tool_calls`.
 - tool_choice "none": the tools are rendered by the chat template, the reply is text.
 - "auto" (needs --enable-auto-tool-choice and a --tool-call-parser): the model decides; the parser finds the
   calls in its text (hermes: <tool_call>{...}</tool_call> blocks; llama3_json: a JSON object
-  {"name": ..., "parameters": {...}}, several separated by ";").
+  {"name": ..., "parameters": {...}}, several separated by ";"; mistral: [TOOL_CALLS] then a JSON array of
+  {"name": ..., "arguments": {...}} (tokenizers before v11) or NAME[ARGS]{...} per call (v11 on); openai: gpt-oss'
+  harmony calls, which the gpt_oss reasoning parser rewrites as <tool_call> blocks: harmony.py).
 - "required": the reply is constrained (JSON schema grammar) to a non-empty array of
   {"name": <a tool>, "parameters": <that tool's schema>}, so every call parses and validates (one call only
   with parallel_tool_calls false).
@@ -19,13 +21,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.entrypoints.openai.bodies import FunctionCall, ToolCallOut
+from pagedllm.entrypoints.openai.text_markers import held_back
 from pagedllm.errors import InvalidParameterError
 from pagedllm.structured_output import GuidedDecodingParams
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "qwen3_coder", "mistral", "openai")
 # What a chat template writes when it renders tools, and the parser that reads the calls its model then writes
 # (the first that matches: Qwen3-Coder's template shows <tool_call> with <function=...> inside).
-TEMPLATE_TOOL_MARKERS = (("<function=", "qwen3_coder"), ("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"))
+TEMPLATE_TOOL_MARKERS = (("<|channel|>", "openai"), ("<function=", "qwen3_coder"), ("<tool_call>", "hermes"),
+                         ("<|python_tag|>", "llama3_json"), ("[TOOL_CALLS]", "mistral"))
+# Parsers whose call marker is a special token: their requests keep special tokens in the text they read.
+SPECIAL_TOKEN_PARSERS = ("mistral",)
 
 
 def tool_call_parser_for_template(template: str | dict | None) -> str | None:
@@ -106,10 +112,12 @@ _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 def parse_tool_calls(parser: str, text: str, tools: dict[str, dict] | None = None) -> tuple[str | None, list[ToolCall]]:
     """(content left, calls) of a free reply under tool_choice auto. Text that does not parse as a call stays
     content. `tools` (name -> tool): the parameter types qwen3_coder's XML values are read as."""
-    if parser in ("hermes", "qwen3_coder"):
+    if parser == "mistral":
+        return _mistral_calls(text)
+    if parser in ("hermes", "qwen3_coder", "openai"):  # (openai: harmony calls, rewritten as hermes blocks)
         calls = []
         for body in _HERMES.findall(text):
-            call = _call_of(body, "arguments") if parser == "hermes" else _xml_call_of(body, tools or {})
+            call = _xml_call_of(body, tools or {}) if parser == "qwen3_coder" else _call_of(body, "arguments")
             if call is None:
                 return text, []
             calls.append(call)
@@ -128,6 +136,42 @@ def parse_tool_calls(parser: str, text: str, tools: dict[str, dict] | None = Non
 
 _HERMES_OPEN = "<tool_call>"
 _PYTHON_TAG = "<|python_tag|>"
+_MISTRAL_CALLS, _MISTRAL_ARGS, _MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+
+
+def _mistral_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Mistral's calls after [TOOL_CALLS]: a JSON array (or object) of {"name", "arguments"} (tokenizers before
+    v11), or NAME[ARGS]{...} after each [TOOL_CALLS] (v11 on; NAME[CALL_ID]ID[ARGS]{...} in v13). Any part that
+    does not parse leaves the whole reply content."""
+    cut = text.find(_MISTRAL_CALLS)
+    if cut < 0:
+        return text, []
+    calls: list[ToolCall] = []
+    for part in text[cut:].split(_MISTRAL_CALLS)[1:]:
+        part = part.strip()
+        if _MISTRAL_ARGS in part:
+            name, _, args = part.partition(_MISTRAL_ARGS)
+            name = name.partition(_MISTRAL_CALL_ID)[0].strip()
+            try:
+                parsed = json.loads(args)
+            except json.JSONDecodeError:
+                return text, []
+            if not name or not isinstance(parsed, dict):
+                return text, []
+            calls.append(ToolCall(name, json.dumps(parsed, ensure_ascii=False)))
+            continue
+        try:
+            value = json.loads(part)
+        except json.JSONDecodeError:
+            return text, []
+        for item in value if isinstance(value, list) else [value]:
+            call = _call_of(json.dumps(item), "arguments") if isinstance(item, dict) else None
+            if call is None:
+                return text, []
+            calls.append(call)
+    if not calls:
+        return text, []
+    return text[:cut].strip() or None, calls
 
 
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
@@ -159,17 +203,15 @@ def _xml_call_of(body: str, tools: dict[str, dict]) -> ToolCall | None:
 
 def content_so_far(parser: str, text: str) -> str:
     """The beginning of a free reply (tool_choice auto) that is content whatever comes next: streamed as it is
-    written. hermes: the text before a <tool_call> (or before what may be the start of one); llama3_json: the
+    written. hermes (qwen3_coder, openai): the text before a <tool_call> (or before what may be the start of one);
+    mistral: likewise before [TOOL_CALLS]; llama3_json: the
     whole text once it cannot be a call (it does not start with "{" or <|python_tag|>). Trailing whitespace
     waits (a finished reply's content is stripped around its calls)."""
-    if parser in ("hermes", "qwen3_coder"):
-        cut = text.find(_HERMES_OPEN)
+    if parser in ("hermes", "qwen3_coder", "openai", "mistral"):
+        marker = _MISTRAL_CALLS if parser == "mistral" else _HERMES_OPEN
+        cut = text.find(marker)
         if cut < 0:
-            cut = len(text)
-            for k in range(min(len(_HERMES_OPEN) - 1, len(text)), 0, -1):
-                if _HERMES_OPEN.startswith(text[-k:]):
-                    cut = len(text) - k
-                    break
+            cut = len(text) - held_back(text, marker)
         return text[:cut].rstrip()
     head = text.lstrip()
     if not head or head.startswith("{") or _PYTHON_TAG.startswith(head[:len(_PYTHON_TAG)]):

@@ -105,6 +105,9 @@ class LlamaModel(nn.Module):
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
 
+# The decoder's tensors in a checkpoint of the bare decoder (transformers' Qwen3Model, LlamaModel), whose names
+# have no "model." in front.
+BARE_DECODER_NAMES = ("embed_tokens.", "layers.", "norm.")
 # Checkpoint tensor name piece -> (our stacked parameter, shard id)
 STACKED_PARAMS = {
     "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
@@ -137,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (again after to_empty(), which unties them)."""
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.lm_head is not None:  # (a pooling model may have none)
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @staticmethod
@@ -182,7 +185,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
+            if name.startswith(BARE_DECODER_NAMES):
+                name = "model." + name  # a bare decoder's checkpoint (Qwen3Model: embedding models ship so)
+            if name == "lm_head.weight" and (self.tie_word_embeddings or self.lm_head is None):
                 continue
             if self._load_kv_scale(name, tensor):
                 continue

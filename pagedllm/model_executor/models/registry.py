@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pagedllm.errors import UnsupportedModelError
+from pagedllm.pooler_config import BARE_DECODERS, SEQUENCE_CLASSIFIERS
 from pagedllm.model_executor.models.higgs_audio_v2 import (
     HiggsAudioV2ForConditionalGeneration,
 )
@@ -24,6 +25,9 @@ MODEL_REGISTRY = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "HiggsAudioV2ForConditionalGeneration": HiggsAudioV2ForConditionalGeneration,  # model_type higgs_audio_v2
 }
+
+# Pooling checkpoints of the same decoders (pooler_config.py): a sequence classifier's, and a bare decoder's.
+MODEL_REGISTRY.update({arch: MODEL_REGISTRY[causal] for arch, causal in {**SEQUENCE_CLASSIFIERS, **BARE_DECODERS}.items()})
 
 
 def get_model_class(hf_config) -> tuple[str, type]:
