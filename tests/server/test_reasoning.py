@@ -198,3 +198,18 @@ def test_a_constraint_starts_where_the_reasoning_ends(parser, prompt, marker):
     from pagedllm.entrypoints.openai.reasoning import reasoning_end
 
     assert reasoning_end(parser, prompt) == marker
+
+
+HARMONY_TEMPLATE = "{% for m in messages %}<|start|>{{ m.role }}<|channel|>final<|message|>{{ m.content }}<|end|>{% endfor %}"
+
+
+def test_a_harmony_template_picks_the_gpt_oss_parser_and_refuses_a_think_block_one():
+    from pagedllm.entrypoints.openai.reasoning import reasoning_parser_for
+
+    assert reasoning_parser_for(None, HARMONY_TEMPLATE) == "gpt_oss"
+    assert reasoning_parser_for("openai_gptoss", HARMONY_TEMPLATE) == "openai_gptoss"
+    assert reasoning_parser_for(None, "{{ messages }}") is None and reasoning_parser_for("qwen3", None) == "qwen3"
+    with pytest.raises(ValueError, match="renders harmony channels: use gpt_oss"):
+        reasoning_parser_for("qwen3", HARMONY_TEMPLATE)
+    with pytest.raises(ValueError, match="does not render them"):
+        reasoning_parser_for("gpt_oss", "<think>{{ messages }}")

@@ -25,8 +25,7 @@ from pagedllm.entrypoints.openai.generation_defaults import GenerationDefaults, 
 from pagedllm.entrypoints.openai.limits import RequestLimits, add_limit_args
 from pagedllm.entrypoints.openai.request_templates import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.shutdown import CLOSE_GRACE_S, DrainingServer
-from pagedllm.entrypoints.openai.harmony import is_harmony_template
-from pagedllm.entrypoints.openai.reasoning import HARMONY_PARSERS, REASONING_PARSERS
+from pagedllm.entrypoints.openai.reasoning import HARMONY_PARSERS, REASONING_PARSERS, reasoning_parser_for
 from pagedllm.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS, tool_call_parser_for_template
 from pagedllm.entrypoints.openai.routes import build_app
 from pagedllm.metrics import EngineMetrics
@@ -186,18 +185,10 @@ def run_server(ns: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(config.model.tokenizer) if config.model.tokenizer else None
     tool_call_parser = ns.tool_call_parser if ns.enable_auto_tool_choice else None
     template = chat_template or getattr(tokenizer, "chat_template", None)
-    reasoning_parser = ns.reasoning_parser
-    if is_harmony_template(template if isinstance(template, str) else None):
-        if reasoning_parser is None:  # without it the reply's channels would be read as text
-            reasoning_parser = "gpt_oss"
-            logger.info("the chat template renders harmony (gpt-oss): replies are read by channel (--reasoning-parser "
-                        "gpt_oss): analysis as reasoning_content, final as content, function calls as tool_calls")
-        elif reasoning_parser not in HARMONY_PARSERS:
-            raise ValueError(f"--reasoning-parser {reasoning_parser} reads think blocks; this model's chat template "
-                             f"renders harmony channels: use gpt_oss (or leave the flag out).")
-    elif reasoning_parser in HARMONY_PARSERS:
-        raise ValueError(f"--reasoning-parser {reasoning_parser} reads gpt-oss' harmony channels, and this model's chat "
-                         f"template does not render them (deepseek_r1 and qwen3 read think blocks).")
+    reasoning_parser = reasoning_parser_for(ns.reasoning_parser, template if isinstance(template, str) else None)
+    if reasoning_parser != ns.reasoning_parser:
+        logger.info("the chat template renders harmony (gpt-oss): replies are read by channel (--reasoning-parser "
+                    "gpt_oss): analysis as reasoning_content, final as content, function calls as tool_calls")
     if ns.tool_call_parser == "openai" and reasoning_parser not in HARMONY_PARSERS:
         raise ValueError("--tool-call-parser openai reads gpt-oss' harmony function calls, and this model's chat "
                          "template does not render harmony: name the parser of its call format (hermes, "

@@ -125,13 +125,11 @@ def _pooler_for(ctx: ServingContext, api: str, task: str | None):
     try:
         if task is None:
             check_scores(pooler)
-            return pooler
+        elif pooler is None or pooler.task != task:
+            raise InvalidParameterError("model", f"it needs an embedding model served with --runner pooling"
+                                                 f"{'' if pooler is None else f'; this one is {pooler.describe()}'}.")
     except InvalidParameterError as e:
         raise APIError(400, f"The model does not support the {api} API: {e}", "model") from None
-    if pooler is None or pooler.task != task:
-        what = "an embedding model" if task == "embed" else "a classifier"
-        raise APIError(400, f"The model does not support the {api} API: it needs {what} served with --runner pooling"
-                            f"{'' if pooler is None else f'; this one is {pooler.describe()}'}.", "model")
     return pooler
 
 
@@ -174,7 +172,7 @@ def _usage(outputs: list[PoolingRequestOutput]) -> int:
 
 async def create_embeddings(ctx: ServingContext, body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
     model = ctx.model_name(body.model)
-    _pooler_for(ctx, "Embeddings", "embed")
+    _pooler_for(ctx, "Embeddings", "embed")  # (only embeddings name a task: scores come from either kind)
     params = _pooling_params(task="embed", dimensions=body.dimensions, normalize=body.normalize)
     prompts = _completion_prompts(body.input, "input")
     outputs = await _pool(ctx, "embd", prompts, params, body, raw, body.add_special_tokens)

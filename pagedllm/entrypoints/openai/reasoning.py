@@ -21,12 +21,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.entrypoints.openai.harmony import FINAL_HEADER
+from pagedllm.entrypoints.openai.harmony import FINAL_HEADER, is_harmony_template
 from pagedllm.entrypoints.openai.text_markers import held_back
 
 HARMONY_PARSERS = ("gpt_oss", "openai_gptoss")
 REASONING_PARSERS = ("deepseek_r1", "qwen3") + HARMONY_PARSERS  # vLLM's names
 START, END = "<think>", "</think>"
+
+
+def reasoning_parser_for(flag: str | None, template: str | None) -> str | None:
+    """The server's reasoning parser: the flag's, or gpt_oss where the chat template renders harmony (its replies'
+    channels would otherwise come back as text). A parser of the other format than the template's is refused."""
+    if is_harmony_template(template):
+        if flag is not None and flag not in HARMONY_PARSERS:
+            raise ValueError(f"--reasoning-parser {flag} reads think blocks; this model's chat template renders "
+                             f"harmony channels: use gpt_oss (or leave the flag out).")
+        return flag or "gpt_oss"
+    if flag in HARMONY_PARSERS:
+        raise ValueError(f"--reasoning-parser {flag} reads gpt-oss' harmony channels, and this model's chat template "
+                         f"does not render them (deepseek_r1 and qwen3 read think blocks).")
+    return flag
 
 
 def reasoning_end(parser: str, prompt: str) -> str | None:
