@@ -87,7 +87,7 @@ LONGEST_FIRST = ("tests/test_demo.py", "tests/models/test_triton_attention.py",
                  "tests/distributed/test_tensor_parallel.py", "tests/server/test_abuse.py",
                  "tests/distributed/test_data_parallel.py", "tests/server/test_production.py",
                  "tests/distributed/test_tp_server.py", "tests/models/test_parity.py", "tests/test_cli.py",
-                 "tests/server/test_fuzz.py", "tests/server/test_audio_server.py", "tests/models/test_cuda_graphs.py",
+                 "tests/server/test_fuzz.py", "tests/server/test_web_ui.py", "tests/server/test_audio_server.py", "tests/models/test_cuda_graphs.py",
                  "tests/distributed/test_ray.py", "tests/server/test_guidellm.py", "tests/test_readme.py",
                  "tests/server/test_tool_calls.py", "tests/server/test_errors_and_aborts.py",
                  "tests/models/test_higgs_engine.py", "tests/engine/test_grammar_limits.py")

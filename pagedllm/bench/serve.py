@@ -168,6 +168,30 @@ def prefix_cache_counts(base_url: str) -> tuple[float, float] | None:
     return (totals["queries"], totals["hits"]) if found else None
 
 
+def plot_run(records: list[RequestRecord], path: str, title: str) -> None:
+    """The run as a picture: each request's time to first token against when it was sent (queueing shows as a
+    rising line), and the histogram of inter-token latencies."""
+    from pagedllm.plotting import pyplot
+
+    plt = pyplot()
+    done = [r for r in records if r.ok and r.chunk_times]
+    t0 = min((r.start for r in done), default=0.0)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.scatter([r.start - t0 for r in done], [(r.chunk_times[0] - r.start) * 1000 for r in done], s=10)
+    left.set_xlabel("sent at (s after the first)")
+    left.set_ylabel("time to first token (ms)")
+    itl = [(b - a) * 1000 for r in done for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    right.hist(itl, bins=40, color="#2ca02c")
+    right.set_xlabel("inter-token latency (ms)")
+    right.set_ylabel("tokens")
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="pagedllm bench serve")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -190,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="prompts' seed (default: a fresh one per run, printed; a repeated seed repeats the prompts, "
                         "which the server's prefix cache then serves)")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, metavar="FILE",
+                   help="draw the run: FILE.png or FILE.svg (each request's TTFT by when it was sent, the "
+                        "inter-token latencies' histogram; needs matplotlib)")
     p.add_argument("--voice", default=None, help="speech endpoints: a voice of the server's --voice-presets-dir")
     p.add_argument("--audio-chunk-size", type=int, default=None, help="speech endpoints: frames per streamed chunk")
     args = p.parse_args(argv)
@@ -202,6 +229,10 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if not args.request_rate > 0:
         raise ValueError(f"--request-rate must be > 0, got {args.request_rate}")
+    if args.plot is not None:
+        from pagedllm.plotting import check_plot_path
+
+        check_plot_path(args.plot)
 
     if args.endpoint in ("speech", "chat-audio"):
         from pagedllm.bench.speech import run_speech_bench
@@ -223,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                                              args.max_concurrency, args.request_rate, args.ignore_eos,
                                              args.seed, args.api_key))
     metrics = compute_metrics(records, duration)
+    if args.plot is not None:
+        plot_run(records, args.plot, f"bench serve {args.endpoint}: {args.num_prompts} requests, concurrency "
+                                     f"{args.max_concurrency or 'all'}, {metrics['output_throughput']:.1f} output tok/s")
     cache_after = prefix_cache_counts(base)
     if cache_before is not None and cache_after is not None:
         metrics["prefix_cache_queries"] = cache_after[0] - cache_before[0]

@@ -50,11 +50,9 @@ def read_llamacpp_jsonl(path: str, input_len: int, output_len: int) -> list[dict
 
 def plot_sweep(rows: list[dict], path: str, title: str) -> None:
     """One line per backend: output tokens/s against batch size (log2 x axis); the roofline dashed."""
-    import matplotlib
+    from pagedllm.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for backend in dict.fromkeys(r["backend"] for r in rows):
         points = sorted((r["batch"], r["output_tokens_per_second"]) for r in rows if r["backend"] == backend)
@@ -97,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(b < 1 for b in args.batch_sizes) or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--batch-sizes, --input-len and --output-len must be >= 1")
     backends = args.backend or ["pagedllm"]
+    if args.plot:
+        from pagedllm.plotting import check_plot_path
+
+        check_plot_path(args.plot)
     if args.model is None:
         from pagedllm.demo import demo_model_path
 

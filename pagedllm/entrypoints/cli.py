@@ -35,6 +35,10 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
 
     if ns.model_pos is not None:
         ns.model = ns.model_pos
+    if ns.plot is not None:
+        from pagedllm.plotting import check_plot_path
+
+        check_plot_path(ns.plot)
     plan = dry_run_plan(engine_args_from(ns, server=True), device=ns.device, device_memory=ns.device_memory,
                         device_memory_used=ns.device_memory_used, unified=ns.unified_memory,
                         host_memory=ns.host_memory, page_cache=ns.page_cache,
@@ -43,6 +47,11 @@ def _cmd_plan(ns: argparse.Namespace) -> int:
         from pagedllm.audio.memory import with_planned_audio_tokenizer
 
         plan = with_planned_audio_tokenizer(plan, ns.audio_tokenizer_type, ns.audio_tokenizer_path)
+    if ns.plot is not None:
+        from pagedllm.memory.plot import plot_plan
+
+        plot_plan(plan, ns.plot, f"pagedllm plan {ns.model or 'the demo model'}: "
+                                 f"{'fits' if plan.fits else 'does not fit: ' + plan.cause}")
     if ns.json:
         print(json.dumps(plan.to_json(), indent=2))
     else:
@@ -93,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, qwen2.5-0.5b, qwen2.5-7b, qwen3-0.6b, "
                            "mistral-7b-v0.3")
     plan.add_argument("--json", action="store_true", help="print one JSON object")
+    plan.add_argument("--plot", default=None, metavar="FILE",
+                      help="draw the plan as a picture: FILE.png or FILE.svg (one bar of the device's memory, the "
+                           "budget line, what does not fit, each fix as its own bar; needs matplotlib)")
     plan.add_argument("--device-memory", default=None, help="total device memory, e.g. 128GiB, 119.7GB")
     plan.add_argument("--device-memory-used", default=None,
                       help="memory already held by other processes and the OS (default 0 with --device-memory)")

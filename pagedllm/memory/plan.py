@@ -4,7 +4,7 @@ by `pagedllm plan`), so both uses share this code and it is tested without a dev
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -151,6 +151,7 @@ class Fix:
     value: str
     effect: str
     extra_step_ms: float | None = None  # --cpu-offload-gb: the copies each forward waits for
+    plan: MemoryPlan | None = field(default=None, repr=False, compare=False)  # the plan with the fix (the picture's)
 
     @property
     def command(self) -> str:
@@ -561,8 +562,8 @@ class MemoryPlan:
             candidates.append(swap)
         if self.graph_pool_bytes:
             candidates.append(("--enforce-eager", "", self.with_settings(cuda_graph_sizes=())))
-        return [Fix(flag, value, self._effect_of(flag, p), p.offload_step_ms if flag == "--cpu-offload-gb" else None)
-                for flag, value, p in candidates if p.fits]
+        return [Fix(flag, value, self._effect_of(flag, p), p.offload_step_ms if flag == "--cpu-offload-gb" else None,
+                    p) for flag, value, p in candidates if p.fits]
 
     def _smaller_swap_fix(self) -> tuple[str, str, MemoryPlan] | None:
         """The largest --swap-space (to 0.01 GiB, 0 = none) below the current one at which the plan fits."""

@@ -33,9 +33,9 @@ def capped_server(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def pooling_server(tiny_models, tmp_path_factory):
     """An embedding model's server: its document names the pooling routes (/v1/embeddings, /v1/score,
-    /v1/rerank) instead of the generation ones."""
+    /v1/rerank) instead of the generation ones. (With no web page: --no-web-ui.)"""
     proc, url, _ = _start_server(tiny_models["qwen3"], tmp_path_factory.mktemp("fuzz_pooling"),
-                                 ["--api-key", API_KEY, "--runner", "pooling"])
+                                 ["--api-key", API_KEY, "--runner", "pooling", "--no-web-ui"])
     yield url
     _stop_server(proc)
 
@@ -62,6 +62,7 @@ def test_the_api_does_what_its_openapi_document_says(capped_server):
 
 
 def test_a_pooling_server_does_what_its_openapi_document_says(pooling_server):
+    assert httpx.get(f"{pooling_server}/").status_code == 404  # --no-web-ui
     paths = httpx.get(f"{pooling_server}/openapi.json").json()["paths"]
     assert {"/v1/embeddings", "/v1/score", "/v1/rerank"} <= set(paths) and "/v1/chat/completions" not in paths
     report = _fuzz(pooling_server)

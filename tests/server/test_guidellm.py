@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import matplotlib.image
 
 from tests.server.conftest import kv_idle, wait_until
 
@@ -59,15 +60,17 @@ def test_bench_serve_beside_it_chat_and_completions_with_prompts_of_the_asked_le
     not 4 tokens per id); a repeated --seed repeats the prompts and reports the prefix cache's hits."""
     from pagedllm.bench.serve import main as bench_serve
 
-    def run(endpoint: str, seed: int) -> dict:
+    def run(endpoint: str, seed: int, *extra: str) -> dict:
         out = tmp_path / f"{endpoint.strip('/').replace('/', '-')}-{seed}.json"
         code = bench_serve(["--base-url", demo_server.url, "--endpoint", endpoint, "--num-prompts", "8",
                             "--random-input-len", "64", "--random-output-len", "8", "--max-concurrency", "4",
-                            "--ignore-eos", "--seed", str(seed), "--output-json", str(out)])
+                            "--ignore-eos", "--seed", str(seed), "--output-json", str(out), *extra])
         assert code == 0
         return json.loads(out.read_text())["metrics"]
 
-    completions = run("/v1/completions", 1)
+    completions = run("/v1/completions", 1, "--plot", str(tmp_path / "run.png"))
+    height, width = matplotlib.image.imread(tmp_path / "run.png").shape[:2]  # the run's picture decodes
+    assert width > 800 and height > 300
     assert completions["completed"] == 8 and completions["failed"] == 0
     assert completions["total_input_tokens"] == 8 * 64 and completions["total_output_tokens"] == 8 * 8
     assert completions["prefix_cache_hits"] == 0

@@ -75,6 +75,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--structured-outputs-config", default=None, type=_structured_outputs_config,
                    help="JSON, vLLM's: {\"enable_in_reasoning\": true} constrains a thinking model's whole reply, its "
                         "reasoning included; by default (false) a structured output starts after the reasoning")
+    g.add_argument("--no-web-ui", action="store_true",
+                   help="serve no web page at / (by default: chat, speech for an audio model, and live memory, in the "
+                        "browser; it calls this server's API with the key it asks for)")
     add_cors_args(g)
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a request's head (request line and headers) may take to arrive; slower "
@@ -221,10 +224,12 @@ def run_server(ns: argparse.Namespace) -> int:
                     ns.max_waiting_requests, tool_call_parser,
                     RequestLimits.from_args(ns), request_templates, ns.body_timeout, ns.require_api_key_for_metrics,
                     generation_defaults, reasoning_parser,
-                    constrain_reasoning=(ns.structured_outputs_config or {}).get("enable_in_reasoning", False))
+                    constrain_reasoning=(ns.structured_outputs_config or {}).get("enable_in_reasoning", False),
+                    web_ui=not ns.no_web_ui)
     generation_defaults.log(ns.generation_config)
-    logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)", ", ".join(names), ns.host, ns.port,
-                llm_engine.config.model.max_model_len)
+    logger.info("serving %s on http://%s:%d/v1 (max_model_len %d)%s", ", ".join(names), ns.host, ns.port,
+                llm_engine.config.model.max_model_len,
+                "" if ns.no_web_ui else f"; web page: http://{ns.host}:{ns.port}/")
     def end_requests() -> None:  # streams get their error event; compiles and request templates are killed
         engine.abort_all("the server is shutting down: this request was ended before it finished")
         llm_engine.structured_outputs.cancel_all()

@@ -13,9 +13,11 @@ import json
 from pagedllm.entrypoints.openai.messages_api import MESSAGES_PATHS, anthropic_error_body
 from pagedllm.entrypoints.openai.errors import error_body
 
-# Routes that are served while draining and need no key: probes, metrics, the API's own description.
+# Routes that are served while draining and need no key: probes, metrics, the API's own description, the web
+# page (its files hold nothing of the server's: the page asks for the key before it calls the API).
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/openapi.json", "/docs", "/redoc",
-                        "/docs/oauth2-redirect"})
+                        "/docs/oauth2-redirect", "/"})
+OPEN_PREFIXES = ("/web/",)
 RETRY_AFTER_S = 5
 
 
@@ -65,7 +67,7 @@ class ServerGuard:
         self._stop_reading = asyncio.Event()  # a forced shutdown: bodies still arriving get 503 at once
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open_paths:
+        if scope["type"] != "http" or scope["path"] in self.open_paths or scope["path"].startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
             return
         if self.api_key is not None and not self._authorized(scope):

@@ -4,10 +4,12 @@ drain and shutdown are in api_server.py."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -66,6 +68,9 @@ from pagedllm.entrypoints.openai.serving import (
 )
 from pagedllm.metrics import EngineMetrics
 
+WEB_DIR = Path(__file__).with_name("web")
+
+
 def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | None = None,
               chat_template: str | None = None, metrics: EngineMetrics | None = None,
               audio: AudioServerConfig | None = None, max_body_bytes: int | None = None,
@@ -73,7 +78,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
               limits: RequestLimits | None = None, request_templates: RequestTemplateRenderer | None = None,
               body_timeout_s: float = 30.0, metrics_need_key: bool = False,
               generation_defaults: GenerationDefaults | None = None, reasoning_parser: str | None = None,
-              constrain_reasoning: bool = False) -> FastAPI:
+              constrain_reasoning: bool = False, web_ui: bool = True) -> FastAPI:
     """The API; app.state.guard is the ASGI app to serve (the body limit and draining in front of it)."""
     llm_engine = engine.engine
     max_model_len = llm_engine.config.model.max_model_len
@@ -150,6 +155,13 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
     @app.exception_handler(ValueError)
     async def _value_error(request, e: ValueError):
         return shaped_error(request, 400, str(e), param_of(e))
+
+    if web_ui:  # the page (web/: static files, no build step, nothing from elsewhere)
+        @app.get("/", include_in_schema=False)
+        async def index():
+            return FileResponse(WEB_DIR / "index.html")
+
+        app.mount("/web", StaticFiles(directory=WEB_DIR), name="web")
 
     @app.get("/health", response_class=Response,
              responses={200: {"description": "Serving (empty body)", "content": {}}, **error_responses(503)})
