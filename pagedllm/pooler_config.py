@@ -136,15 +136,7 @@ def _pooling_mode(folder: Path, path: Path) -> str:
 
 def parse_pooler_config(text: str | dict | None) -> dict:
     """--pooler-config (JSON) as a dict of the keys pagedllm reads; an unknown key is refused."""
-    if text is None:
-        return {}
-    if isinstance(text, str):
-        try:
-            text = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--pooler-config is not valid JSON: {e}") from None
-    if not isinstance(text, dict):
-        raise ValueError(f"--pooler-config must be a JSON object, got {type(text).__name__}.")
+    text = _json_object(text, "--pooler-config")
     unknown = set(text) - set(POOLER_CONFIG_KEYS)
     if unknown:
         raise ValueError(f"--pooler-config keys {sorted(unknown)} are not supported; these are: "
@@ -212,15 +204,21 @@ def _label_token_ids(tokens: list, tokenizer_path) -> tuple[int, ...]:
 def apply_hf_overrides(hf_config, overrides: str | dict | None) -> dict:
     """--hf-overrides (JSON): set on the model's config as loaded (vLLM's flag: `architectures`,
     `classifier_from_token`, `is_matryoshka`, ...). Returns the overrides applied."""
-    if overrides is None:
-        return {}
-    if isinstance(overrides, str):
-        try:
-            overrides = json.loads(overrides)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--hf-overrides is not valid JSON: {e}") from None
-    if not isinstance(overrides, dict):
-        raise ValueError(f"--hf-overrides must be a JSON object, got {type(overrides).__name__}.")
+    overrides = _json_object(overrides, "--hf-overrides")
     for key, value in overrides.items():
         setattr(hf_config, key, value)
     return overrides
+
+
+def _json_object(value: str | dict | None, flag: str) -> dict:
+    """A flag's JSON object (given as text on a command line, as a dict to LLM(...)); None: empty."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {type(value).__name__}.")
+    return value

@@ -7,7 +7,6 @@ routes.py), drain on SIGTERM, shutdown.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -21,7 +20,11 @@ from pagedllm.entrypoints.openai.audio_args import (
 from pagedllm.entrypoints.openai.connections import uvicorn_config
 from pagedllm.entrypoints.openai.cors import add_cors_args, with_cors
 from pagedllm.errors import WorkerError
-from pagedllm.entrypoints.openai.generation_defaults import GenerationDefaults, add_generation_config_args
+from pagedllm.entrypoints.openai.generation_defaults import (
+    GenerationDefaults,
+    add_generation_config_args,
+    json_object_arg,
+)
 from pagedllm.entrypoints.openai.limits import RequestLimits, add_limit_args
 from pagedllm.entrypoints.openai.request_templates import RequestTemplateRenderer
 from pagedllm.entrypoints.openai.shutdown import CLOSE_GRACE_S, DrainingServer
@@ -126,12 +129,7 @@ STRUCTURED_OUTPUTS_CONFIG_KEYS = ("enable_in_reasoning", "backend")
 
 def _structured_outputs_config(value: str) -> dict:
     """--structured-outputs-config: the keys pagedllm reads (backend: xgrammar, the only one, or auto)."""
-    try:
-        config = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
+    config = json_object_arg(value)
     unknown = set(config) - set(STRUCTURED_OUTPUTS_CONFIG_KEYS)
     if unknown:
         raise argparse.ArgumentTypeError(f"keys {sorted(unknown)} are not supported; these are: "

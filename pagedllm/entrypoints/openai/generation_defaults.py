@@ -34,12 +34,13 @@ def add_generation_config_args(group: argparse._ArgumentGroup) -> None:
                        help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
                             "max_new_tokens): 'auto' from the model's generation_config.json, 'vllm' none, or a "
                             "folder holding a generation_config.json")
-    group.add_argument("--override-generation-config", default=None, type=_json_object,
+    group.add_argument("--override-generation-config", default=None, type=json_object_arg,
                        help="JSON object of generation-config values set on top, e.g. "
                             "'{\"temperature\": 0.5, \"max_new_tokens\": 512}'; max_new_tokens caps every request")
 
 
-def _json_object(text: str) -> dict:
+def json_object_arg(text: str) -> dict:
+    """An argparse type: a JSON object given as text."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
