@@ -93,6 +93,14 @@ def read_audio(data: bytes, fmt: str | None = None) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32), int(rate)
 
 
+def audio_container(data: bytes) -> str:
+    """The input format name (wav, flac, mp3, ogg) of audio file bytes that read_audio reads."""
+    import soundfile as sf
+
+    major = sf.info(io.BytesIO(data)).format
+    return next((name for name, fmt in _READERS.items() if fmt == major), major.lower())
+
+
 def _reason(e: Exception) -> str:
     text = str(e)
     return text.split(": ", 1)[-1] if "Error opening" in text else text

@@ -409,8 +409,12 @@ def test_speech_through_the_openai_client(voices_url):
     assert r.headers["content-type"] == "audio/wav" and r.headers["x-audio-frames"] == "20"
     samples, rate = wav_samples(r.content)
     assert rate == 24000 and len(samples) == 20 * 960
-    with pytest.raises(openai.BadRequestError, match="speed 2.0 is not supported"):
-        client.audio.speech.create(model=NAME, voice="alice", input=TEXT, speed=2.0)
+    fast = client.audio.speech.with_raw_response.create(
+        model=NAME, voice="alice", input=TEXT, response_format="wav", speed=2.0,
+        extra_body={"max_tokens": 24, "temperature": 0.0})  # the same 20 frames, played in half the time
+    assert fast.headers["x-audio-frames"] == "20" and len(wav_samples(fast.content)[0]) == 20 * 960 // 2
+    with pytest.raises(openai.BadRequestError, match="speed must be between 0.25 and 4.0, got 5.0"):
+        client.audio.speech.create(model=NAME, voice="alice", input=TEXT, speed=5.0)
 
 
 def test_chat_with_a_preset_voice_and_a_reference_clip_through_the_openai_client(voices_url):

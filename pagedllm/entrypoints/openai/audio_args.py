@@ -28,6 +28,7 @@ class AudioServerConfig:
     mm_cache_bytes: int = 0  # 0: no cache of encoded reference audio
     voice_presets_dir: str | None = None
     stop_after_silence_frames: int | None = None  # None: off (a request may still ask)
+    max_reference_seconds: float = 60.0  # the longest reference clip (ref_audio, input_audio, an upload)
 
     @property
     def enabled(self) -> bool:
@@ -54,7 +55,10 @@ def add_audio_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-mm-preprocessor-cache", action="store_true",
                    help="encode reference audio every time (no cache)")
     g.add_argument("--voice-presets-dir", default=None, metavar="DIR",
-                   help="voices for /v1/audio/speech and chat audio: NAME.wav (.flac, .mp3, .ogg) + NAME.txt transcript")
+                   help="voices for /v1/audio/speech and chat audio: NAME.wav (.flac, .mp3, .ogg) + NAME.txt "
+                        "transcript; voices uploaded with POST /v1/audio/voices are kept here")
+    g.add_argument("--max-reference-audio-seconds", type=float, default=60.0, metavar="S",
+                   help="the longest reference clip a request (ref_audio, input_audio) or an upload may give")
     g.add_argument("--stop-after-silence-frames", type=int, default=None, metavar="N",
                    help="end generated audio after N frames in a row of near-silence (RMS below -50 dBFS), for "
                         "models that run on; a request's stop_after_silence_frames overrides it (default: off)")
@@ -93,8 +97,11 @@ def audio_server_config(ns: argparse.Namespace) -> AudioServerConfig:
     silence = getattr(ns, "stop_after_silence_frames", None)
     if silence is not None and silence < 1:
         raise ValueError(f"--stop-after-silence-frames must be >= 1, got {silence}")
+    seconds = getattr(ns, "max_reference_audio_seconds", 60.0)
+    if not seconds > 0:
+        raise ValueError(f"--max-reference-audio-seconds must be > 0, got {seconds}")
     config = AudioServerConfig(ns.audio_tokenizer_type, ns.audio_tokenizer_path, limits.get("audio"), cache_bytes,
-                               ns.voice_presets_dir, silence)
+                               ns.voice_presets_dir, silence, seconds)
     if not config.enabled:
         used = [flag for flag, set_ in (("--limit-mm-per-prompt", ns.limit_mm_per_prompt is not None),
                                         ("--voice-presets-dir", ns.voice_presets_dir is not None),

@@ -3,6 +3,7 @@ against the model, the voices, and the cache of encoded audio."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from pagedllm.audio.engine import AudioTokenizerComponent
 from pagedllm.audio.memory import measured_audio_tokenizer_memory
@@ -62,4 +63,6 @@ def create_audio_serving(engine: AsyncLLMEngine, ctx: ServingContext, audio: Aud
                 f"{audio.mm_cache_bytes} bytes" if cache is not None else "off",
                 audio.limit_audio_per_prompt if audio.limit_audio_per_prompt is not None else "none")
     return AudioServing(ctx, codec, llm_engine.tokenizer, spec, voices, cache, audio.limit_audio_per_prompt,
-                        stop_after_silence_frames=audio.stop_after_silence_frames)
+                        stop_after_silence_frames=audio.stop_after_silence_frames,
+                        voices_dir=Path(audio.voice_presets_dir).expanduser() if audio.voice_presets_dir else None,
+                        max_reference_seconds=audio.max_reference_seconds)

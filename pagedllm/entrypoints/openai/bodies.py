@@ -267,6 +267,17 @@ class Voice(Body):
 class VoiceList(Body):
     object: Literal["list"] = "list"
     data: list[Voice]
+    voices: list[Voice]  # the same list under the key Open WebUI's TTS settings read
+
+
+class AudioModel(Body):
+    id: str
+
+
+class AudioModelList(Body):
+    """GET /v1/audio/models: the served names (Open WebUI's TTS settings list them as `models`)."""
+
+    models: list[AudioModel]
 
 
 class MemoryResponse(Body):

@@ -46,7 +46,8 @@ def events_ok(model: type[BaseModel], description: str, event: type[BaseModel]) 
 def error_responses(*codes: int, model: type[BaseModel] = ErrorResponse) -> dict:
     why = {400: "Invalid request (the message says what was wrong and what is allowed)",
            401: "Missing or wrong API key (only when the server has one)",
-           404: "No such model (or route)", 413: "Request body over --max-request-body-bytes",
+           404: "No such model (or route, or voice)", 409: "The name is taken (DELETE it first)",
+           413: "Request body over --max-request-body-bytes",
            503: "Draining for shutdown, at --max-waiting-requests, or the engine stopped"}
     return {code: {"model": model, "description": why[code]} for code in codes}
 

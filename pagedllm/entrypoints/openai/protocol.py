@@ -234,6 +234,9 @@ class ChatCompletionRequest(_SamplingRequest):
     # OpenAI's audio output: modalities ["text", "audio"] and the audio's voice and format.
     modalities: list[Literal["text", "audio"]] | None = None
     audio: ChatAudioOutput | None = None
+    # A reference voice for audio output (vLLM-Omni's names), as /v1/audio/speech takes it.
+    ref_audio: str | None = Field(default=None, min_length=1)
+    ref_text: str | None = Field(default=None, min_length=1)
     # Streamed audio (as the reference server): frames per chunk, and frames of context decoded each side.
     audio_chunk_size: int | None = Field(default=None, ge=1, le=MAX_AUDIO_CHUNK_FRAMES)
     audio_chunk_overlap_size: int | None = Field(default=None, ge=0, le=MAX_AUDIO_OVERLAP_FRAMES)
@@ -288,6 +291,9 @@ class SpeechRequest(LenientModel):
     response_format: str = "wav"
     speed: float = 1.0
     stream: bool = False  # WAV header (or nothing, for pcm) then PCM chunks as frames are decoded
+    # A reference voice in the request (vLLM-Omni's names): a clip (base64, or a data: URL) and its transcript.
+    ref_audio: str | None = Field(default=None, min_length=1)
+    ref_text: str | None = Field(default=None, min_length=1)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(default=None, le=2**63 - 1)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Annotated
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
@@ -38,7 +39,10 @@ from pagedllm.entrypoints.openai.bodies import (
     ModelList,
     TokenizeResponse,
     TokenizerInfo,
+    AudioModel,
+    AudioModelList,
     VersionResponse,
+    Voice,
     VoiceList,
 )
 from pagedllm.entrypoints.openai.openapi import (
@@ -293,6 +297,27 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
              responses={200: json_ok(VoiceList, "The voice presets"), **error_responses(400, 401, 503)})
     async def voices():
         return JSONBody(serving_audio.list_voices(_audio()))
+
+    @app.post("/v1/audio/voices", dependencies=v1, include_in_schema=with_audio,
+              responses={200: json_ok(Voice, "The voice, kept in --voice-presets-dir"),
+                         **error_responses(400, 401, 409, 413, 503)})
+    async def upload_voice(name: Annotated[str, Form(description="the voice's name: letters, digits, _ . -")],
+                           audio: Annotated[UploadFile, File(description="the clip (wav, flac, mp3, ogg)")],
+                           transcript: Annotated[str, Form(description="what the clip says")]):
+        clip = await audio.read()
+        return JSONBody(await serving_audio.upload_voice(_audio(), name, clip, audio.filename, transcript))
+
+    @app.delete("/v1/audio/voices/{name}", dependencies=v1, include_in_schema=with_audio,
+                responses={200: json_ok(Voice, "The voice removed"), **error_responses(400, 401, 404, 503)})
+    async def delete_voice(name: str):
+        return JSONBody(await serving_audio.delete_voice_named(_audio(), name))
+
+    @app.get("/v1/audio/models", dependencies=v1, include_in_schema=with_audio,
+             responses={200: json_ok(AudioModelList, "The speech model's served names"),
+                        **error_responses(400, 401, 503)})
+    async def audio_models():
+        _audio()
+        return JSONBody(AudioModelList(models=[AudioModel(id=name) for name in served_names]))
 
     @app.post("/tokenize", dependencies=v1, responses={200: json_ok(TokenizeResponse, "Token ids"), **TOKENIZER})
     async def tokenize(body: TokenizeRequest):

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,8 +27,10 @@ from fastapi.responses import Response, StreamingResponse
 
 from pagedllm.audio.io import (
     AudioFormatError,
+    audio_container,
     check_output_format,
     content_type,
+    input_formats,
     read_audio,
     to_pcm16,
     wav_stream_header,
@@ -41,9 +44,10 @@ from pagedllm.audio.prompt import (
     Turn,
     build_audio_prompt,
 )
+from pagedllm.audio.stretch import MAX_SPEED, MIN_SPEED, time_stretch
 from pagedllm.audio.streaming import CHUNK_FRAMES, CONTEXT_FRAMES, SilenceStop, StreamingDecoder
 from pagedllm.audio.tokenizer import AudioTokenizer
-from pagedllm.audio.voices import VoicePreset
+from pagedllm.audio.voices import VoicePreset, check_voice_name, delete_voice, save_voice
 from pagedllm.entrypoints.openai.bodies import (
     ChatAudio,
     ChatAudioDelta,
@@ -75,6 +79,13 @@ from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 STREAM_FORMATS = ("wav", "pcm")  # formats that can be sent before their length is known
+# OpenAI's built-in voice names (clients such as Open WebUI send "alloy" unless told otherwise): where no preset has
+# the name, the model speaks in its own voice.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse")
+MIN_REFERENCE_RATE = 8000  # Hz: below it a clip is no speech recording to clone (and the codec resamples from it)
+DATA_URL_FORMATS = {"audio/wav": "wav", "audio/x-wav": "wav", "audio/wave": "wav", "audio/vnd.wave": "wav",
+                    "audio/mpeg": "mp3", "audio/mp3": "mp3", "audio/flac": "flac", "audio/x-flac": "flac",
+                    "audio/ogg": "ogg"}
 CHAT_AUDIO_FORMATS = {"pcm16": "pcm"}  # OpenAI's chat names -> response_format names
 AUDIO_EXPIRES_S = 3600  # OpenAI's message.audio.expires_at: we keep nothing, so any value is honest enough
 
@@ -92,6 +103,8 @@ class AudioServing:
     limit_audio: int | None = None
     on_cache_lookup: Callable[[bool], None] | None = None  # metrics: called with hit=True/False
     stop_after_silence_frames: int | None = None  # --stop-after-silence-frames (None: off unless asked)
+    voices_dir: Path | None = None  # --voice-presets-dir: where uploaded voices are kept (None: no uploads)
+    max_reference_seconds: float = 60.0  # --max-reference-audio-seconds: the longest reference clip
 
     def __post_init__(self) -> None:
         self._codec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedllm-codec")
@@ -117,7 +130,15 @@ class AudioServing:
             samples, rate = await self.codec(read_audio, data, fmt)
         except AudioFormatError as e:
             raise APIError(400, f"{param}: {e}", param) from None
-        frames = math.ceil(len(samples) / rate * self.tokenizer.frame_rate)
+        seconds = len(samples) / rate
+        if rate < MIN_REFERENCE_RATE:
+            raise APIError(400, f"{param}: the reference audio is sampled at {rate} Hz; a voice to clone needs at "
+                                f"least {MIN_REFERENCE_RATE} Hz (the codec works at {self.tokenizer.sampling_rate} Hz)",
+                           param)
+        if seconds > self.max_reference_seconds:
+            raise APIError(400, f"{param}: the reference audio lasts {seconds:.1f} s; at most "
+                                f"{self.max_reference_seconds:g} s (--max-reference-audio-seconds)", param)
+        frames = math.ceil(seconds * self.tokenizer.frame_rate)
         if frames > self.ctx.max_model_len:
             raise APIError(400, f"{param}: the reference audio lasts {len(samples) / rate:.1f} s = {frames} frames, "
                                 f"more than the context holds (max_model_len {self.ctx.max_model_len})", param)
@@ -126,9 +147,25 @@ class AudioServing:
             self.cache.put(key, codes)
         return codes
 
+    async def reference_turns(self, voice: str | None, ref_audio: str | None, ref_text: str | None,
+                              voice_param: str) -> list[Turn]:
+        """The request's voice as reference turns: a clip in the request (`ref_audio`, with its transcript
+        `ref_text`), else a preset (`voice`), else none (the model's own voice)."""
+        if ref_audio is None:
+            if ref_text is not None:
+                raise APIError(400, "ref_text is the transcript of ref_audio: give both, or neither", "ref_text")
+            return await self.voice_turns(voice, voice_param)
+        if voice is not None and voice not in OPENAI_VOICES:
+            raise APIError(400, f"give {voice_param} (a preset) or ref_audio (a clip), not both", "ref_audio")
+        if ref_text is None:
+            raise APIError(400, "ref_audio needs ref_text, the transcript of what the clip says", "ref_text")
+        data, fmt = decode_audio_field(ref_audio, "ref_audio")
+        codes = await self.encode_reference(data, fmt, "ref_audio")
+        return [Turn("user", check_text(ref_text, "ref_text")), Turn("assistant", audio=codes)]
+
     async def voice_turns(self, voice: str | None, param: str) -> list[Turn]:
         """A preset voice as reference turns: its transcript (user), then its audio (assistant)."""
-        if voice is None:
+        if voice is None or (voice in OPENAI_VOICES and voice not in self.voices):
             return []
         preset = self.voices.get(voice)
         if preset is None:
@@ -152,6 +189,25 @@ class AudioServing:
     async def decode(self, codes: torch.Tensor | None):
         codes = codes if codes is not None else torch.empty((0, self.tokenizer.num_codebooks), dtype=torch.long)
         return await self.codec(self.tokenizer.decode, codes)
+
+
+def decode_audio_field(value: str, param: str) -> tuple[bytes, str | None]:
+    """A clip given in JSON: base64, or a data: URL (`data:audio/wav;base64,...`, whose type names the format).
+    -> (bytes, format; None: read from the bytes)."""
+    fmt = None
+    if value.startswith("data:"):
+        header, _, value = value.partition(",")
+        mime, _, encoding = header[len("data:"):].partition(";")
+        if encoding != "base64":
+            raise APIError(400, f"{param}: a data URL of audio must be base64 (data:audio/wav;base64,...)", param)
+        fmt = DATA_URL_FORMATS.get(mime.lower())
+        if fmt is None:
+            raise APIError(400, f"{param}: audio type {mime!r} is not supported; supported: "
+                                f"{', '.join(sorted(DATA_URL_FORMATS))}", param)
+    try:
+        return base64.b64decode(value, validate=True), fmt
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"{param} is not valid base64 (nor a data: URL)", param) from None
 
 
 def _speech_sampling_params(req: SpeechRequest) -> SamplingParams:
@@ -185,11 +241,14 @@ async def create_speech(a: AudioServing, req: SpeechRequest, raw: Request) -> Re
     if req.stream and fmt not in STREAM_FORMATS:
         raise APIError(400, f"streaming sends {' or '.join(STREAM_FORMATS)} (a length-less WAV header, then PCM); "
                             f"response_format {fmt!r} needs the whole audio first", "response_format")
-    if req.speed != 1.0:
-        raise APIError(400, f"speed {req.speed} is not supported: the model speaks at its own pace (1.0)", "speed")
+    if not MIN_SPEED <= req.speed <= MAX_SPEED:
+        raise APIError(400, f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {req.speed}", "speed")
+    if req.stream and req.speed != 1.0:
+        raise APIError(400, f"speed {req.speed} stretches the whole audio (same pitch): stream at speed 1.0, or "
+                            f"leave stream out", "speed")
     check_text(req.input, "input")
-    a.check_limit(0 if req.voice is None else 1, "voice")
-    turns = await a.voice_turns(req.voice, "voice")
+    a.check_limit(int(req.voice is not None or req.ref_audio is not None), "voice")
+    turns = await a.reference_turns(req.voice, req.ref_audio, req.ref_text, "voice")
     scene = check_text(req.instructions, "instructions") if req.instructions else DEFAULT_SCENE
     conversation = Conversation(turns + [Turn("user", req.input)], scene=scene)
     stream = await a.generate(conversation, _speech_sampling_params(req), "speech")
@@ -199,6 +258,8 @@ async def create_speech(a: AudioServing, req: SpeechRequest, raw: Request) -> Re
         return StreamingResponse(_stream_audio(a, stream, fmt, decoder, silence), media_type=content_type(fmt))
     out, samples, silent = await _whole_audio(a, stream, decoder, silence, raw)
     frames = len(samples) // a.tokenizer.hop_length if silent else len(_codes_of(out)[1])
+    if req.speed != 1.0:
+        samples = await a.codec(time_stretch, samples, rate, req.speed)
     return Response(write_audio(samples, rate, fmt), media_type=content_type(fmt),
                     headers={"x-audio-frames": str(frames)}
                     | ({"x-audio-finish-reason": "silence"} if silent else {}))
@@ -303,9 +364,10 @@ async def create_audio_chat_completion(a: AudioServing, req: ChatCompletionReque
     fmt = _output_format((audio.format if audio is not None else None) or ("pcm16" if req.stream else "wav"),
                          "audio.format")
     voice = audio.voice if audio is not None else None
-    a.check_limit(_num_input_audio(req) + (voice is not None), "messages")  # before encoding any of them
+    a.check_limit(_num_input_audio(req) + (voice is not None or req.ref_audio is not None),
+                  "messages")  # before encoding any of them
     system, turns = await _conversation(a, req)
-    turns = await a.voice_turns(voice, "audio.voice") + turns
+    turns = await a.reference_turns(voice, req.ref_audio, req.ref_text, "audio.voice") + turns
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling_params(a.ctx, req, max_tokens, None, None, "top_logprobs")
     if req.stream and fmt != "pcm":
@@ -421,6 +483,47 @@ async def _input_audio(a: AudioServing, spec, where: str) -> torch.Tensor:
 
 # -- GET /v1/audio/voices ---------------------------------------------------------------------------
 
+def _voice(v: VoicePreset) -> Voice:
+    return Voice(id=v.name, name=v.name, format=v.format, transcript=v.transcript)
+
+
 def list_voices(a: AudioServing) -> VoiceList:
-    return VoiceList(data=[Voice(id=v.name, name=v.name, format=v.format, transcript=v.transcript)
-                           for v in a.voices.values()])
+    voices = [_voice(v) for v in a.voices.values()]
+    return VoiceList(data=voices, voices=voices)
+
+
+# -- POST /v1/audio/voices, DELETE /v1/audio/voices/{name} ---------------------------------------------------
+
+async def upload_voice(a: AudioServing, name: str, clip: bytes, filename: str | None, transcript: str) -> Voice:
+    """A voice uploaded once (a clip and its transcript), then `voice: name`: kept in --voice-presets-dir, so it
+    survives a restart; its codes are encoded now (the cache has them for the first request)."""
+    if a.voices_dir is None:
+        raise APIError(400, "uploaded voices are kept in --voice-presets-dir: start the server with one", "name")
+    try:
+        check_voice_name(name)
+    except ValueError as e:
+        raise APIError(400, str(e), "name") from None
+    if name in a.voices or name in OPENAI_VOICES:
+        raise APIError(409, f"voice {name!r} exists{'' if name in a.voices else ' (an OpenAI voice name)'}: "
+                            f"DELETE /v1/audio/voices/{name} first, or pick another name", "name")
+    fmt = Path(filename or "").suffix.lstrip(".").lower() or None
+    if fmt is not None and fmt not in input_formats():
+        raise APIError(400, f"audio: a {fmt!r} file is not supported; supported: {', '.join(input_formats())}",
+                       "audio")
+    transcript = check_text(transcript.strip(), "transcript")
+    if not transcript:
+        raise APIError(400, "transcript: write what the clip says", "transcript")
+    await a.encode_reference(clip, fmt, "audio")  # (refuses what cannot be read, too long, too low a rate)
+    fmt = fmt or (await a.codec(audio_container, clip))
+    preset = await asyncio.to_thread(save_voice, a.voices_dir, name, clip, fmt, transcript)
+    a.voices[name] = preset
+    return _voice(preset)
+
+
+async def delete_voice_named(a: AudioServing, name: str) -> Voice:
+    preset = a.voices.get(name)
+    if preset is None:
+        raise APIError(404, f"no voice {name!r}; voices: {', '.join(sorted(a.voices)) or 'none'}", "name")
+    await asyncio.to_thread(delete_voice, preset)
+    del a.voices[name]
+    return _voice(preset)
