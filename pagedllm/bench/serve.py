@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="draw the run: FILE.png or FILE.svg (each request's TTFT by when it was sent, the "
                         "inter-token latencies' histogram; needs matplotlib)")
     p.add_argument("--voice", default=None, help="speech endpoints: a voice of the server's --voice-presets-dir")
+    p.add_argument("--ref-audio", default=None, metavar="FILE",
+                   help="speech endpoints: a reference clip sent in every request (ref_audio), with --ref-text")
+    p.add_argument("--ref-text", default=None, help="speech endpoints: what the --ref-audio clip says")
     p.add_argument("--audio-chunk-size", type=int, default=None, help="speech endpoints: frames per streamed chunk")
     args = p.parse_args(argv)
     if args.seed is None:

@@ -78,8 +78,9 @@ async def _chat_audio(client, base: str, body: dict, headers: dict, record: Audi
     chat = {"model": body.get("model"), "modalities": ["text", "audio"], "stream": True,
             "audio": {"voice": body.get("voice"), "format": "pcm16"}, "max_tokens": body["max_tokens"],
             "messages": [{"role": "user", "content": body["input"]}]}
-    if body.get("audio_chunk_size"):
-        chat["audio_chunk_size"] = body["audio_chunk_size"]
+    for key in ("audio_chunk_size", "ref_audio", "ref_text"):
+        if body.get(key):
+            chat[key] = body[key]
     async with client.stream("POST", f"{base}/v1/chat/completions", json=chat, headers=headers) as resp:
         if resp.status_code != 200:
             record.ok, record.error = False, f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
@@ -102,9 +103,10 @@ async def _chat_audio(client, base: str, body: dict, headers: dict, record: Audi
 async def run_speech_load(base_url: str, endpoint: str, texts: list[str], max_tokens: int,
                           max_concurrency: int | None, request_rate: float, seed: int, model: str | None = None,
                           voice: str | None = None, audio_chunk_size: int | None = None,
-                          api_key: str | None = None, show_progress: bool = True
-                          ) -> tuple[list[AudioRecord], float, int]:
-    """(records, duration, sample rate): the sample rate from one speech request before the run."""
+                          api_key: str | None = None, show_progress: bool = True,
+                          reference: tuple[bytes, str] | None = None) -> tuple[list[AudioRecord], float, int]:
+    """(records, duration, sample rate): the sample rate from one speech request before the run. `reference`: a
+    clip and its transcript sent in every request (ref_audio, ref_text), instead of a preset voice."""
     import logging
 
     import httpx
@@ -114,6 +116,8 @@ async def run_speech_load(base_url: str, endpoint: str, texts: list[str], max_to
     base = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     common = {"model": model, "voice": voice, "max_tokens": max_tokens, "temperature": 1.0}
+    if reference is not None:
+        common |= {"ref_audio": base64.b64encode(reference[0]).decode("ascii"), "ref_text": reference[1]}
     if audio_chunk_size:
         common["audio_chunk_size"] = audio_chunk_size
     limit = asyncio.Semaphore(max_concurrency or len(texts))
@@ -159,9 +163,12 @@ def format_audio_metrics(m: dict) -> str:
 def run_speech_bench(args) -> int:
     """The speech endpoints of `bench serve` (its parsed arguments)."""
     texts = texts_for(args.num_prompts, args.random_input_len, args.seed)
+    if (args.ref_audio is None) != (args.ref_text is None):
+        raise ValueError("--ref-audio and --ref-text go together: a clip and what it says")
+    reference = None if args.ref_audio is None else (open(args.ref_audio, "rb").read(), args.ref_text)
     records, duration, rate = asyncio.run(run_speech_load(
         args.base_url, args.endpoint, texts, args.random_output_len, args.max_concurrency, args.request_rate,
-        args.seed, args.model, args.voice, args.audio_chunk_size, args.api_key))
+        args.seed, args.model, args.voice, args.audio_chunk_size, args.api_key, reference=reference))
     metrics = compute_audio_metrics(records, duration, rate)
     print(f"texts' seed: {args.seed}; sample rate {rate} Hz")
     print(format_audio_metrics(metrics))

@@ -171,9 +171,10 @@ def test_flac_and_mp3(seed_url):
 
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"response_format": "aac"}, "response_format", "response_format 'aac' is not supported; supported: pcm, wav"),
-    ({"speed": 1.5}, "speed", "speed 1.5 is not supported"),
+    ({"speed": 4.5}, "speed", "speed must be between 0.25 and 4.0, got 4.5"),
+    ({"speed": 1.5, "stream": True}, "speed", "stream at speed 1.0"),
     ({"stream": True, "response_format": "flac"}, "response_format", "streaming sends wav or pcm"),
-    ({"voice": "alloy"}, "voice", "unknown voice 'alloy'; voices: none (start the server with --voice-presets-dir)"),
+    ({"voice": "nova2"}, "voice", "unknown voice 'nova2'; voices: none (start the server with --voice-presets-dir)"),
     ({"max_tokens": 5000}, None, "maximum context length is 2048 tokens"),
     ({"top_p": 2.0}, "top_p", "top_p"),
     ({"temperature": "hot"}, "temperature", "valid number"),  # (unknown fields are ignored, as in every route)
@@ -190,7 +191,7 @@ def test_other_bad_inputs(seed_url):
     assert error_of(speech(seed_url, input=""))["param"] == "input"
     assert error_of(httpx.post(f"{seed_url}/v1/audio/speech", json={"model": "other", "input": "x"}), 404)
     assert "audio=N" not in httpx.get(f"{seed_url}/v1/audio/voices").text  # an empty list, not an error
-    assert httpx.get(f"{seed_url}/v1/audio/voices").json() == {"object": "list", "data": []}
+    assert httpx.get(f"{seed_url}/v1/audio/voices").json() == {"object": "list", "data": [], "voices": []}
 
 
 def test_clients_that_leave_abort_their_requests(seed_url):

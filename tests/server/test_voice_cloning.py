@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import sys
 
 import httpx
@@ -150,3 +151,81 @@ def test_what_open_webui_reads(server):
                                                    "max_tokens": 16, "seed": 7}, timeout=120)
     assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
     assert r.content == ok(speech(url))  # OpenAI's voice names: the model's own voice
+
+
+def test_text_streamed_in_is_spoken_sentence_by_sentence_over_a_websocket(server):
+    """The first audio arrives before the last text is sent; the joined PCM is every sentence's frames, in the
+    voice of the config; the events name each sentence."""
+    from websockets.sync.client import connect
+
+    url = server["url"].replace("http://", "ws://") + "/v1/audio/speech/stream"
+    audio, events = bytearray(), []
+    with connect(url, open_timeout=30, close_timeout=30) as ws:
+        ws.send('{"voice": "alice", "max_tokens": 10, "seed": 3}')
+        for piece in ("The sun ", "rises. It ", "sets in the west. And"):
+            ws.send(f'{{"text": "{piece}"}}')
+        first = ws.recv(timeout=120)  # two sentences are complete: speaking began before the text ended
+        while isinstance(first, str):
+            events.append(first)
+            first = ws.recv(timeout=120)
+        audio += first
+        ws.send('{"text": " then night falls."}')
+        ws.send('{"end": true}')
+        for message in ws:
+            if isinstance(message, bytes):
+                audio += message
+            else:
+                events.append(message)
+    parsed = [json.loads(e) for e in events]
+    sentences = [e["text"] for e in parsed if e["type"] == "sentence"]
+    assert sentences == ["The sun rises.", "It sets in the west.", "And then night falls."]
+    done = parsed[-1]
+    assert done["type"] == "done" and done["sentences"] == 3
+    frames = sum(e["frames"] for e in parsed if e["type"] == "sentence.done")
+    assert done["frames"] == frames and 3 <= frames <= 30
+    pcm = np.frombuffer(bytes(audio), dtype="<i2")
+    assert len(audio) % 2 == 0 and len(pcm) == frames * 960  # 960 samples (40 ms at 24 kHz) per frame
+
+
+def test_a_websocket_refuses_a_bad_config_and_the_server_stays_healthy(server):
+    from websockets.sync.client import connect
+
+    url = server["url"].replace("http://", "ws://") + "/v1/audio/speech/stream"
+    with connect(url, open_timeout=30) as ws:
+        ws.send('{"voice": "nobody"}')
+        message = json.loads(ws.recv(timeout=60))
+    assert message["type"] == "error" and message["error"]["param"] == "voice"
+    assert "unknown voice 'nobody'" in message["error"]["message"]
+    assert httpx.get(f"{server['url']}/health").status_code == 200
+
+
+def test_a_websocket_needs_the_api_key(server_url):
+    """The key holds for the handshake (a header, or ?api_key= where a browser cannot set one); a text model's
+    server then says it has no speech model."""
+    from websockets.exceptions import ConnectionClosed, InvalidStatus
+    from websockets.sync.client import connect
+
+    from tests.server.conftest import API_KEY
+
+    url = server_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    with pytest.raises(InvalidStatus, match="403"):
+        connect(url, open_timeout=30)
+    for kwargs in ({"additional_headers": {"Authorization": f"Bearer {API_KEY}"}}, {"uri": f"{url}?api_key={API_KEY}"}):
+        with connect(kwargs.pop("uri", url), open_timeout=30, **kwargs) as ws:
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=30)
+        assert closed.value.rcvd.code == 1008 and "no speech model" in closed.value.rcvd.reason
+
+
+def test_every_format_decodes_to_the_same_length(server):
+    """OpenAI's response formats this libsndfile writes (aac: none can, refused by name), each decoding to the
+    length of the WAV within one frame (960 samples)."""
+    url = server["url"]
+    wav, rate = sf.read(io.BytesIO(ok(speech(url, voice="alice"))), dtype="int16")
+    for fmt in ("flac", "mp3", "opus"):
+        samples, fmt_rate = sf.read(io.BytesIO(ok(speech(url, voice="alice", response_format=fmt))), dtype="int16")
+        assert abs(len(samples) * rate / fmt_rate - len(wav)) <= 960, fmt
+    pcm = ok(speech(url, voice="alice", response_format="pcm"))
+    assert len(pcm) == 2 * len(wav)
+    aac = error(speech(url, voice="alice", response_format="aac"))
+    assert aac["param"] == "response_format" and "mp3" in aac["message"]

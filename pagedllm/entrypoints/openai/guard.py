@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+from urllib.parse import parse_qs
 
 from pagedllm.entrypoints.openai.messages_api import MESSAGES_PATHS, anthropic_error_body
 from pagedllm.entrypoints.openai.errors import error_body
@@ -67,6 +68,9 @@ class ServerGuard:
         self._stop_reading = asyncio.Event()  # a forced shutdown: bodies still arriving get 503 at once
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket":  # (the API key and draining hold for a WebSocket's handshake too)
+            await self._guard_websocket(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["path"] in self.open_paths or scope["path"].startswith(OPEN_PREFIXES):
             await self.app(scope, receive, send)
             return
@@ -138,6 +142,27 @@ class ServerGuard:
     def stop_reading(self) -> None:
         """A forced shutdown: requests whose bodies are still arriving are answered 503 now."""
         self._stop_reading.set()
+
+    async def _guard_websocket(self, scope, receive, send) -> None:
+        """A WebSocket is refused at its handshake (closed, code 1008 for the key, 1013 while draining) or passed
+        on. The key: the Authorization or x-api-key header, or (browsers cannot set headers there) ?api_key=."""
+        refused = None
+        query_key = (self._query_key(scope) or "").encode()
+        if self.api_key is not None and not (self._authorized(scope)
+                                             or hmac.compare_digest(query_key, self.api_key.encode())):
+            refused = (1008, "Invalid or missing API key: send 'Authorization: Bearer <key>' or ?api_key=<key>")
+        elif self.draining:
+            refused = (1013, "The server is shutting down: it accepts no new requests.")
+        if refused is None:
+            await self.app(scope, receive, send)
+            return
+        await receive()  # websocket.connect
+        await send({"type": "websocket.close", "code": refused[0], "reason": refused[1]})
+
+    @staticmethod
+    def _query_key(scope) -> str | None:
+        values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
+        return values[0] if values else None
 
     def _authorized(self, scope) -> bool:
         """A bearer token (OpenAI's clients) or an x-api-key header (Anthropic's) holding the key."""

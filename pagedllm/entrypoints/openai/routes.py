@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
@@ -20,6 +20,7 @@ from pagedllm.entrypoints.openai import serving_audio
 from pagedllm.audio.io import AUDIO_CONTENT_TYPES
 from pagedllm.entrypoints.openai.audio_args import AudioServerConfig
 from pagedllm.entrypoints.openai import messages_api, pooling_api, responses_api
+from pagedllm.entrypoints.openai.speech_stream import speech_stream
 from pagedllm.entrypoints.openai.errors import APIError, error_response, param_of
 from pagedllm.entrypoints.openai.messages_api import (
     MESSAGES_PATHS,
@@ -297,6 +298,16 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
              responses={200: json_ok(VoiceList, "The voice presets"), **error_responses(400, 401, 503)})
     async def voices():
         return JSONBody(serving_audio.list_voices(_audio()))
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_websocket(ws: WebSocket):
+        """Text in as it is written, speech out sentence by sentence (speech_stream.py)."""
+        if app.state.audio is None or not engine.is_running:
+            await ws.accept()  # (then closed with the reason: a refused handshake would say only 403)
+            await ws.close(code=1008, reason="this server has no speech model (--audio-tokenizer-type)"
+                           if app.state.audio is None else "the engine is not serving")
+            return
+        await speech_stream(app.state.audio, ws)
 
     @app.post("/v1/audio/voices", dependencies=v1, include_in_schema=with_audio,
               responses={200: json_ok(Voice, "The voice, kept in --voice-presets-dir"),
