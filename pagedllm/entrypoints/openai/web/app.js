@@ -297,39 +297,28 @@ async function speak() {
   $("speech-status").textContent = "speaking…";
   $("speech-download").hidden = true;
   try {
-    if (clip) {
-      const reference = await base64(clip);
-      const body = {
-        model: state.model, modalities: ["text", "audio"], audio: { format: "pcm16" }, stream: true,
-        messages: [
-          { role: "user", content: [{ type: "text", text: $("reference-text").value },
-            { type: "input_audio", input_audio: { data: reference, format: "wav" } }] },
-          { role: "user", content: text }],
-      };
-      for await (const chunk of events(await api("/v1/chat/completions", body))) {
-        if (chunk.error) throw new APIError(chunk.error.message);
-        const audio = chunk.choices && chunk.choices[0] && chunk.choices[0].delta.audio;
-        if (audio && audio.data) player.add(Uint8Array.from(atob(audio.data), (c) => c.charCodeAt(0)));
-      }
-    } else {
-      const body = { model: state.model, input: text, response_format: "wav", stream: true };
-      if ($("voice").value) body.voice = $("voice").value;
-      const reader = (await api("/v1/audio/speech", body)).body.getReader();
-      let header = new Uint8Array(0);
-      for (;;) {
-        const { value, done } = await reader.read();
-        if (done) break;
-        if (header.length < 44) { // the WAV header first: its sample rate, then PCM
-          const joined = new Uint8Array(header.length + value.length);
-          joined.set(header);
-          joined.set(value, header.length);
-          if (joined.length < 44) { header = joined; continue; }
-          player.rate = new DataView(joined.buffer).getUint32(24, true);
-          header = joined.slice(0, 44);
-          player.add(joined.slice(44));
-        } else {
-          player.add(value);
-        }
+    const body = { model: state.model, input: text, response_format: "wav", stream: true };
+    if (clip) { // a reference in the request: the clip and what it says (the server caches its codes)
+      body.ref_audio = await base64(clip);
+      body.ref_text = $("reference-text").value;
+    } else if ($("voice").value) {
+      body.voice = $("voice").value;
+    }
+    const reader = (await api("/v1/audio/speech", body)).body.getReader();
+    let header = new Uint8Array(0);
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      if (header.length < 44) { // the WAV header first: its sample rate, then PCM
+        const joined = new Uint8Array(header.length + value.length);
+        joined.set(header);
+        joined.set(value, header.length);
+        if (joined.length < 44) { header = joined; continue; }
+        player.rate = new DataView(joined.buffer).getUint32(24, true);
+        header = joined.slice(0, 44);
+        player.add(joined.slice(44));
+      } else {
+        player.add(value);
       }
     }
     $("speech-status").textContent = `${(player.samples / player.rate).toFixed(1)} s of audio`;
