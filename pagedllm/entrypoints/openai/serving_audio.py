@@ -210,7 +210,8 @@ def decode_audio_field(value: str, param: str) -> tuple[bytes, str | None]:
         raise APIError(400, f"{param} is not valid base64 (nor a data: URL)", param) from None
 
 
-def _speech_sampling_params(req: SpeechRequest) -> SamplingParams:
+def speech_sampling_params(req) -> SamplingParams:
+    """A speech request's sampling (a SpeechRequest's fields, or a speech WebSocket's config's)."""
     try:
         return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                               top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
@@ -251,7 +252,7 @@ async def create_speech(a: AudioServing, req: SpeechRequest, raw: Request) -> Re
     turns = await a.reference_turns(req.voice, req.ref_audio, req.ref_text, "voice")
     scene = check_text(req.instructions, "instructions") if req.instructions else DEFAULT_SCENE
     conversation = Conversation(turns + [Turn("user", req.input)], scene=scene)
-    stream = await a.generate(conversation, _speech_sampling_params(req), "speech")
+    stream = await a.generate(conversation, speech_sampling_params(req), "speech")
     rate = a.tokenizer.sampling_rate
     decoder, silence = _decoder(a, req), _silence_stop(a, req)
     if req.stream:

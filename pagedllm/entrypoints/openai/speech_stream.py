@@ -28,7 +28,13 @@ from pagedllm.audio.prompt import DEFAULT_SCENE, Conversation, Turn
 from pagedllm.entrypoints.openai.errors import APIError
 from pagedllm.entrypoints.openai.protocol import MAX_AUDIO_CHUNK_FRAMES, MAX_AUDIO_OVERLAP_FRAMES, LenientModel
 from pagedllm.entrypoints.openai.serving import check_text
-from pagedllm.entrypoints.openai.serving_audio import AudioServing, _audio_chunks, _codes_of, _decoder
+from pagedllm.entrypoints.openai.serving_audio import (
+    AudioServing,
+    _audio_chunks,
+    _codes_of,
+    _decoder,
+    speech_sampling_params,
+)
 from pagedllm.sampling_params import SamplingParams
 
 SENTENCE_END = re.compile(r"[.!?。！？…]+[\"')\]]*(?=\s)|\n+")
@@ -78,7 +84,7 @@ async def speech_stream(a: AudioServing, ws: WebSocket) -> None:
     try:
         config = await _config(a, ws)
         reference = await a.reference_turns(config.voice, config.ref_audio, config.ref_text, "voice")
-        params = _params(config)
+        params = speech_sampling_params(config)
         reader = asyncio.create_task(_read_text(ws, pieces))
         await _speak(a, ws, config, reference, params, pieces)
     except WebSocketDisconnect:
@@ -107,15 +113,6 @@ async def _config(a: AudioServing, ws: WebSocket) -> SpeechStreamConfig:
     a.ctx.model_name(config.model)
     a.check_limit(int(config.voice is not None or config.ref_audio is not None), "voice")
     return config
-
-
-def _params(config: SpeechStreamConfig) -> SamplingParams:
-    try:
-        return SamplingParams(temperature=1.0 if config.temperature is None else config.temperature,
-                              top_p=1.0 if config.top_p is None else config.top_p, top_k=config.top_k or 0,
-                              seed=config.seed, max_tokens=config.max_tokens)
-    except ValueError as e:
-        raise APIError(400, str(e), str(e).split(" ", 1)[0]) from None
 
 
 async def _read_text(ws: WebSocket, pieces: asyncio.Queue) -> None:
