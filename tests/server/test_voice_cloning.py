@@ -229,3 +229,20 @@ def test_every_format_decodes_to_the_same_length(server):
     assert len(pcm) == 2 * len(wav)
     aac = error(speech(url, voice="alice", response_format="aac"))
     assert aac["param"] == "response_format" and "mp3" in aac["message"]
+
+
+def test_bench_serve_sends_a_clip_in_every_request(server, tmp_path):
+    """`pagedllm bench serve --endpoint speech --ref-audio FILE --ref-text TEXT`: every request carries the clip
+    (the cache answers all but the first), and every request speaks."""
+    from pagedllm.bench.serve import main as bench_serve
+
+    clip = tmp_path / "clip.wav"
+    clip.write_bytes(_wav(sine_wave(0.8, freq=520.0)))
+    url = server["url"]
+    hits = metric(url, "pagedllm:mm_cache_hits_total")
+    out = tmp_path / "bench.json"
+    code = bench_serve(["--base-url", url, "--endpoint", "speech", "--num-prompts", "6", "--max-concurrency", "3",
+                        "--random-input-len", "6", "--random-output-len", "8", "--seed", "1", "--ref-audio",
+                        str(clip), "--ref-text", "A tone.", "--output-json", str(out)])
+    assert code == 0 and json.loads(out.read_text())["metrics"]["completed"] == 6
+    assert metric(url, "pagedllm:mm_cache_hits_total") - hits >= 6  # (the probe's encode, then 6 hits)
