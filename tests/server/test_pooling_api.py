@@ -128,3 +128,25 @@ def test_refusals_name_what_was_wrong(embed_server, server_url):
     assert "does not support the Embeddings API" in generative["message"] and "--runner pooling" in generative["message"]
     assert "does not support the Rerank API" in error(server_url, "/v1/rerank", {"query": "a", "documents": ["b"]},
                                                        AUTH)["message"]
+    assert "needs a classifier" in error(embed_server, "/classify", {"input": "hi"})["message"]
+
+
+def test_classify_gives_each_inputs_probabilities_and_label(tmp_path_factory):
+    """vLLM's /classify on a 3-label sequence classifier: transformers' softmax probabilities, the top label from
+    the checkpoint's id2label; an embedding model's server refuses it by name."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = make_tiny_classifier(tmp_path_factory.mktemp("cls3") / "cls3", num_labels=3)
+    hf = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    proc, url, _ = _start_server(path, tmp_path_factory.mktemp("cls3_server"), [])
+    try:
+        body = httpx.post(f"{url}/classify", json={"input": TEXTS}, timeout=60).json()
+    finally:
+        _stop_server(proc)
+    assert [d["index"] for d in body["data"]] == [0, 1, 2] and body["object"] == "list"
+    for text, d in zip(TEXTS, body["data"]):
+        with torch.no_grad():
+            ref = torch.softmax(hf(torch.tensor([tokenizer(text)["input_ids"]])).logits[0], dim=-1)
+        assert d["num_classes"] == 3 and np.allclose(d["probs"], ref.numpy(), atol=1e-5)
+        assert d["label"] == hf.config.id2label[int(ref.argmax())]

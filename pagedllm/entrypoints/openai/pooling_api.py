@@ -48,6 +48,12 @@ class EmbeddingRequest(_PoolingRequest):
     normalize: bool | None = None  # vLLM's: None is the model's pooler config
 
 
+class ClassificationRequest(_PoolingRequest):
+    input: Texts
+    add_special_tokens: bool = True
+    use_activation: bool | None = None
+
+
 class ScoreRequest(_PoolingRequest):
     text_1: Texts
     text_2: Texts
@@ -97,6 +103,22 @@ class ScoreResponse(Body):
     usage: PoolingUsage
 
 
+class ClassificationData(Body):
+    index: int
+    label: str | None  # the highest probability's label (the checkpoint's id2label)
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(Body):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[ClassificationData]
+    usage: PoolingUsage
+
+
 class RerankDocument(Body):
     text: str | None = None
     token_ids: list[int] | None = None
@@ -126,7 +148,8 @@ def _pooler_for(ctx: ServingContext, api: str, task: str | None):
         if task is None:
             check_scores(pooler)
         elif pooler is None or pooler.task != task:
-            raise InvalidParameterError("model", f"it needs an embedding model served with --runner pooling"
+            what = "an embedding model" if task == "embed" else "a classifier"
+            raise InvalidParameterError("model", f"it needs {what} served with --runner pooling"
                                                  f"{'' if pooler is None else f'; this one is {pooler.describe()}'}.")
     except InvalidParameterError as e:
         raise APIError(400, f"The model does not support the {api} API: {e}", "model") from None
@@ -172,7 +195,7 @@ def _usage(outputs: list[PoolingRequestOutput]) -> int:
 
 async def create_embeddings(ctx: ServingContext, body: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
     model = ctx.model_name(body.model)
-    _pooler_for(ctx, "Embeddings", "embed")  # (only embeddings name a task: scores come from either kind)
+    _pooler_for(ctx, "Embeddings", "embed")
     params = _pooling_params(task="embed", dimensions=body.dimensions, normalize=body.normalize)
     prompts = _completion_prompts(body.input, "input")
     outputs = await _pool(ctx, "embd", prompts, params, body, raw, body.add_special_tokens)
@@ -181,6 +204,26 @@ async def create_embeddings(ctx: ServingContext, body: EmbeddingRequest, raw: Re
     tokens = _usage(outputs)
     return EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", created=int(time.time()), model=model, data=data,
                              usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
+
+
+async def create_classification(ctx: ServingContext, body: ClassificationRequest,
+                                raw: Request) -> ClassificationResponse:
+    """vLLM's /classify: each input's class probabilities (a sequence classifier's), with its top label."""
+    model = ctx.model_name(body.model)
+    _pooler_for(ctx, "Classification", "classify")
+    params = _pooling_params(task="classify", use_activation=body.use_activation)
+    outputs = await _pool(ctx, "classify", _completion_prompts(body.input, "input"), params, body, raw,
+                          body.add_special_tokens)
+    labels = getattr(ctx.engine.engine.config.model.hf_config, "id2label", None) or {}
+    data = []
+    for i, o in enumerate(outputs):
+        probs = o.outputs.probs
+        top = max(range(len(probs)), key=probs.__getitem__)
+        data.append(ClassificationData(index=i, label=labels.get(top, labels.get(str(top))), probs=probs,
+                                       num_classes=len(probs)))
+    tokens = _usage(outputs)
+    return ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", created=int(time.time()), model=model,
+                                  data=data, usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 
 def _encoded(vector, encoding_format: str) -> list[float] | str:

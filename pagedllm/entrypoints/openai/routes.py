@@ -261,7 +261,7 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
         return JSONResponse(responses_api.response_from_chat(reply, body, model))
 
     pooling_paths = {"embeddings": ["/v1/embeddings"], "score": ["/v1/score", "/score"],
-                     "rerank": ["/v1/rerank", "/rerank", "/v2/rerank"]}
+                     "rerank": ["/v1/rerank", "/rerank", "/v2/rerank"], "classify": ["/classify", "/v1/classify"]}
 
     async def embeddings(body: pooling_api.EmbeddingRequest, raw: Request):
         return JSONBody(await pooling_api.create_embeddings(ctx, body, raw))
@@ -272,12 +272,20 @@ def build_app(engine: AsyncLLMEngine, served_names: list[str], api_key: str | No
     async def rerank(body: pooling_api.RerankRequest, raw: Request):
         return JSONBody(await pooling_api.create_rerank(ctx, body, raw))
 
+    async def classify(body: pooling_api.ClassificationRequest, raw: Request):
+        return JSONBody(await pooling_api.create_classification(ctx, body, raw))
+
+    pooler = llm_engine.config.model.pooler  # (the document names what this pooling model gives)
+    serves = {"embeddings": pooler is not None and pooler.task == "embed",
+              "score": pooler is not None and pooler.scores, "rerank": pooler is not None and pooler.scores,
+              "classify": pooler is not None and pooler.task == "classify"}
     for name, handler, body_model, what in (
             ("embeddings", embeddings, pooling_api.EmbeddingResponse, "The embeddings (a pooling model's)"),
             ("score", score, pooling_api.ScoreResponse, "Each pair's relevance (a cross-encoder's or cosine)"),
-            ("rerank", rerank, pooling_api.RerankResponse, "The documents by relevance")):
+            ("rerank", rerank, pooling_api.RerankResponse, "The documents by relevance"),
+            ("classify", classify, pooling_api.ClassificationResponse, "Each input's class probabilities")):
         for i, path in enumerate(pooling_paths[name]):  # (vLLM's other spellings, left out of the document)
-            app.post(path, dependencies=v1, include_in_schema=i == 0 and not generates,
+            app.post(path, dependencies=v1, include_in_schema=i == 0 and serves[name],
                      responses={200: json_ok(body_model, what), **GENERATION})(handler)
 
     def _audio() -> serving_audio.AudioServing:
