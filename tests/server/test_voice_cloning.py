@@ -196,6 +196,16 @@ def test_a_websocket_refuses_a_bad_config_and_the_server_stays_healthy(server):
         message = json.loads(ws.recv(timeout=60))
     assert message["type"] == "error" and message["error"]["param"] == "voice"
     assert "unknown voice 'nobody'" in message["error"]["message"]
+    for first in (b"\x00binary", "not json"):  # a config that is no JSON object: said so, not a dropped connection
+        with connect(url, open_timeout=30) as ws:
+            ws.send(first)
+            message = json.loads(ws.recv(timeout=60))
+        assert message["error"]["param"] == "config" and "config first" in message["error"]["message"]
+    with connect(url, open_timeout=30) as ws:  # a text piece that is no JSON object, after a good config
+        ws.send('{"voice": "alice", "max_tokens": 4}')
+        ws.send("plain text")
+        message = json.loads(ws.recv(timeout=60))
+    assert message["error"]["param"] == "text"
     assert httpx.get(f"{server['url']}/health").status_code == 200
 
 

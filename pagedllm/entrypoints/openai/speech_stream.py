@@ -91,7 +91,7 @@ async def speech_stream(a: AudioServing, ws: WebSocket) -> None:
         return
     except APIError as e:
         await _close_with_error(ws, e.message, e.param)
-    except (ValueError, json.JSONDecodeError) as e:
+    except ValueError as e:
         await _close_with_error(ws, str(e), None)
     finally:
         if reader is not None:
@@ -100,16 +100,28 @@ async def speech_stream(a: AudioServing, ws: WebSocket) -> None:
                 await reader
 
 
-async def _config(a: AudioServing, ws: WebSocket) -> SpeechStreamConfig:
-    message = json.loads(await ws.receive_text())
+async def _json_message(ws: WebSocket, what: str) -> dict:
+    """The client's next message, a JSON object in a text frame; anything else is a 400 saying what was expected."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
     try:
-        config = SpeechStreamConfig(**message) if isinstance(message, dict) else None
+        body = json.loads(message.get("text") or "")
+    except json.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict):
+        raise APIError(400, f"expected {what}: a JSON object in a text frame", "config" if "config" in what else "text")
+    return body
+
+
+async def _config(a: AudioServing, ws: WebSocket) -> SpeechStreamConfig:
+    message = await _json_message(ws, "the session's config first")
+    try:
+        config = SpeechStreamConfig(**message)
     except ValidationError as e:
         first = e.errors()[0]
         raise APIError(400, f"config: {'.'.join(map(str, first['loc']))}: {first['msg']}",
                        ".".join(map(str, first["loc"]))) from None
-    if config is None:
-        raise APIError(400, "the first message is the session's config: a JSON object", "config")
     a.ctx.model_name(config.model)
     a.check_limit(int(config.voice is not None or config.ref_audio is not None), "voice")
     return config
@@ -121,15 +133,7 @@ async def _read_text(ws: WebSocket, pieces: asyncio.Queue) -> None:
     text = ""
     try:
         while True:
-            message = await ws.receive()
-            if message["type"] == "websocket.disconnect":
-                raise WebSocketDisconnect(message.get("code", 1000))
-            try:
-                body = json.loads(message.get("text") or "")
-            except json.JSONDecodeError:
-                body = None
-            if not isinstance(body, dict):
-                raise ValueError("each message after the config is a JSON object: {\"text\": ...} or {\"end\": true}")
+            body = await _json_message(ws, '{"text": ...} or {"end": true}')
             text += check_text(str(body.get("text", "")), "text")
             done = bool(body.get("end"))
             complete, text = split_sentences(text, final=done)
