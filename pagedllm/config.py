@@ -9,6 +9,7 @@ import torch
 
 from pagedllm.kv_layout import KVCacheLayout
 from pagedllm.pooler_config import PoolerConfig
+from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.structured_output_limits import StructuredOutputLimits
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     structured_outputs: StructuredOutputLimits = field(default_factory=StructuredOutputLimits)
     request_template_worker: bool = False  # the server's worker for requests' own chat templates (planned)
+    speculative: SpeculativeConfig | None = None  # --speculative-config; None: no speculative decoding
 
     def __post_init__(self) -> None:
         if self.cuda_graph_sizes is not None:

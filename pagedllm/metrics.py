@@ -61,6 +61,15 @@ class EngineMetrics:
                                          ).labels(model_name)
         self.grammar_bitmask = counter("structured_output_bitmask_seconds",
                                        "Time spent filling structured outputs' token bitmasks.")
+        # Speculative decoding (vLLM's names): verify passes, draft tokens checked, drafts kept, kept by position.
+        self.spec_drafts = counter("spec_decode_num_drafts", "Requests' drafts checked (one per request per step).")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens checked by the target.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens the target kept.")
+        self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens kept, by their position among a request's drafts.",
+                                             labels + ["position"], registry=r)
+        self.spec_steps = Counter(p + "spec_decode_steps", "Steps with drafts, by whether the rule let them be "
+                                  "checked (on) or ran without them (off).", labels + ["decision"], registry=r)
         self._model_name = model_name
         self._tokens: dict[str, int] = {}
         self._last_time: dict[str, float] = {}
@@ -77,6 +86,7 @@ class EngineMetrics:
         self._seen_prefix = (prefix.queries, prefix.hits)
         self.batch_size.observe(engine.last_step_num_requests)
         self._on_structured_outputs(engine)
+        self._on_spec_decode(engine)
         for out in outputs:
             rid = out.request_id
             if isinstance(out, PoolingRequestOutput):  # a pooled prompt: no generated token, one request done
@@ -112,6 +122,18 @@ class EngineMetrics:
             self.grammar_compile.observe(seconds)
         self.grammar_bitmask.inc(grammars.bitmask_seconds - self._seen.get("bitmask_seconds", 0.0))
         self._seen["bitmask_seconds"] = grammars.bitmask_seconds
+
+    def _on_spec_decode(self, engine: LLMEngine) -> None:
+        spec = engine.spec_decode_stats
+        if spec is None:
+            return
+        self._advance(self.spec_drafts, "spec_drafts", spec.num_drafts)
+        self._advance(self.spec_draft_tokens, "spec_draft_tokens", spec.num_draft_tokens)
+        self._advance(self.spec_accepted_tokens, "spec_accepted", spec.num_accepted_tokens)
+        for position, kept in enumerate(spec.accepted_per_position):
+            self._advance(self.spec_accepted_per_pos.labels(self._model_name, str(position)), f"spec_pos{position}", kept)
+        self._advance(self.spec_steps.labels(self._model_name, "on"), "spec_on", spec.steps_on)
+        self._advance(self.spec_steps.labels(self._model_name, "off"), "spec_off", spec.steps_off)
 
     def _on_preemptions(self, stats: EngineStats) -> None:
         pre, swap = stats.preemptions, stats.swaps

@@ -79,6 +79,9 @@ class ScheduledTokens:
     num_new_tokens: int
     block_tables: list[list[int]]
     samples: bool  # the slice reaches the end of the request's tokens: a token is sampled (a pooling request pooled)
+    # Speculative decoding: the slice's last len(spec_token_ids) tokens are drafts after the request's tokens;
+    # the step checks them (a sampling row for each, and one after the last).
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

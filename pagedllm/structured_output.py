@@ -268,7 +268,7 @@ class GrammarBitmask:
     sampling rows, one bit per token (xgrammar's int32 words). `rows[i]` is the index, among the step's
     sampling requests in scheduled order, of the request bitmask row i is for."""
 
-    rows: list[int]
+    rows: list[int]  # (speculative decoding: among the step's sampling rows, one per draft and one after them)
     bitmask: Any  # torch.Tensor (len(rows), ceil(vocab_size / 32)) int32, on the host
     vocab_size: int
 
@@ -330,22 +330,45 @@ class StructuredOutputManager:
         if self._compiler is not None:
             self._compiler.shutdown()
 
-    def bitmask(self, requests: list) -> GrammarBitmask | None:
+    def bitmask(self, requests: list, drafts: list | None = None) -> GrammarBitmask | None:
         """The bitmask for a step whose sampling requests are `requests` (engine Requests, in the step's
-        order); None when none of them is constrained (or every constrained one's grammar is complete)."""
+        order); None when none of them is constrained (or every constrained one's grammar is complete).
+
+        Speculative decoding: `drafts[i]` are request i's drafts checked this step; it then has a sampling row per
+        draft and one after them, each masked as if the drafts before it were accepted (the matcher walks them
+        and is rolled back). Rows after a draft the grammar refuses stay unmasked: the target rejects that draft
+        (it is masked at its own row), so they are never used."""
         if self._compiler is None or not any(r.sampling_params.guided_decoding for r in requests):
             return None
+        drafts = drafts or [()] * len(requests)
         start = time.perf_counter()
-        rows, matchers = [], []
-        for i, req in enumerate(requests):
+        rows, matchers, walks, first_row = [], [], [], 0
+        for req, req_drafts in zip(requests, drafts):
             matcher = self._live_matcher(req)
             if matcher is not None:
-                rows.append(i)
-                matchers.append(matcher)
-        if not rows:
+                if req_drafts:
+                    walks.append((matcher, first_row, req_drafts))
+                else:
+                    rows.append(first_row)
+                    matchers.append(matcher)
+            first_row += 1 + len(req_drafts)
+        walked_rows = [(matcher, row + j, d) for matcher, row, d in walks for j in range(len(d) + 1)]
+        if not rows and not walked_rows:
             return None
-        bitmask = self._compiler._xgr.allocate_token_bitmask(len(rows), self.vocab_size)
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        bitmask = self._compiler._xgr.allocate_token_bitmask(len(rows) + len(walked_rows), self.vocab_size)
+        if matchers:
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        at = len(rows)
+        for matcher, row, req_drafts in walks:
+            accepted = 0
+            for j in range(len(req_drafts) + 1):
+                rows.append(row + j)
+                if accepted == j:  # the drafts before this row are grammatical: mask it
+                    matcher.fill_next_token_bitmask(bitmask, at + j)
+                    if j < len(req_drafts) and not matcher.is_terminated() and matcher.accept_token(req_drafts[j]):
+                        accepted += 1
+            matcher.rollback(accepted)
+            at += len(req_drafts) + 1
         self.bitmask_seconds += time.perf_counter() - start
         return GrammarBitmask(rows, bitmask, self.vocab_size)
 

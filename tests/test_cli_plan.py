@@ -239,3 +239,26 @@ def test_plan_measures_this_machine_when_no_memory_is_given(tiny_models, capsys)
     assert code == 0 and out["fits"] is True
     assert out["sources"]["device"] == "measured" and out["device"] == "cpu"
     assert out["device_total_bytes"] > 1 << 30 and out["device_used_bytes"] >= 0
+
+
+def test_speculative_decoding_has_its_own_line_and_a_fix_that_turns_it_off(capsys):
+    """n-gram drafts add logits rows (one per checked draft, up to the step's token budget); no draft weights or
+    draft KV cache. A plan they push over the edge names the fix that turns speculation off."""
+    args = ["plan", "qwen2.5-0.5b", "--device", "cuda", "--device-memory", "5GiB", "--max-model-len", "32768"]
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
+    code, out, err = run_main(capsys, *args, "--json")
+    assert code == 0, err
+    base = json.loads(out)
+    code, out, _ = run_main(capsys, *args, *spec, "--json")
+    data = json.loads(out)
+    assert code == 1 and data["fits"] is False
+    vocab, rows = 151936, 256 * 4  # 256 sequences x 4 drafts, within the 2048-token budget
+    assert data["spec_decode_bytes"] == rows * vocab * (2 + 8)
+    assert base["spec_decode_bytes"] == 0
+    assert [f for f in data["fixes"] if f["flag"] == "without --speculative-config"]
+    code, out, _ = run_main(capsys, *args, *spec)
+    assert "speculative decoding (ngram, 4 drafts): 1024 more logits rows" in out
+    assert "without --speculative-config: " in out and "decoding runs one token per step" in out
+    code, out, _ = run_main(capsys, *args, *spec[:1], '{"method": "ngram", "num_speculative_tokens": 4, '
+                            '"disable_by_batch_size": 8}', "--json")
+    assert code == 0 and json.loads(out)["spec_decode_bytes"] == 8 * 4 * vocab * (2 + 8)

@@ -26,6 +26,7 @@ from pagedllm.config import (
     SchedulerConfig,
     resolve_dtype,
 )
+from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.errors import UnsupportedModelError
 from pagedllm.model_executor.moe import num_experts
 from pagedllm.model_executor.quant import checkpoint_quant
@@ -171,6 +172,13 @@ class EngineArgs:
     scheduling_policy: str = flag("fcfs", "fcfs: first come first served, a request's priority other than 0 is "
                                   "refused (400); priority: requests' priority field (lower first) orders "
                                   "scheduling and preemption", choices=lambda: SCHEDULING_POLICIES)
+    speculative_config: str | dict | None = flag(None, "JSON, vLLM's keys: speculative decoding, e.g. '{\"method\": "
+                                                 "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+                                                 "(ngram: drafts from earlier spans of the prompt and output); "
+                                                 "disable_by_batch_size caps the batch that speculates, and a rule "
+                                                 "from measured step times and acceptance turns it off when it does "
+                                                 "not pay (\"adaptive\": false keeps it on): docs/speculative_decoding.md",
+                                                 parse=str)
     repetition_aware_sampling: bool = flag(True, "audio models: repetition-aware sampling as the checkpoint's "
                                            "generation_config.json sets it (ras_win_len); off: never (RAS redraws "
                                            "repeated codes at random, even for greedy requests)")
@@ -253,7 +261,19 @@ class EngineArgs:
                             async_output_proc=self._async_output_proc(device),
                             batch_invariant=self._batch_invariant(), parallel=parallel,
                             structured_outputs=self._structured_output_limits(),
-                            request_template_worker=self.trust_request_chat_template)
+                            request_template_worker=self.trust_request_chat_template,
+                            speculative=self._speculative(model_cls, pooler))
+
+    def _speculative(self, model_cls, pooler) -> SpeculativeConfig | None:
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is None:
+            return None
+        if pooler is not None:
+            raise ValueError("--speculative-config applies to generation: the pooling runner generates nothing.")
+        if getattr(model_cls, "generates_audio", False):
+            raise ValueError(f"--speculative-config is not supported for {model_cls.__name__}: its positions are "
+                             f"audio frames of several codebooks, which n-gram drafts do not predict.")
+        return spec
 
     def _pooler(self, architecture: str, hf_config, path, tokenizer):
         """The pooling runner's PoolerConfig, or None for the generate runner (--runner, --task)."""

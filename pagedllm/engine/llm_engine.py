@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import replace
@@ -29,6 +30,7 @@ from pagedllm.model_executor.model_runner import ModelRunnerOutput
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.policy import SpecDecodeStats, SpeculationPolicy
 from pagedllm.structured_output import GrammarCompiler, StructuredOutputManager
 from pagedllm.utils import phase
 
@@ -86,7 +88,9 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(self.memory_plan.num_blocks, config.cache.block_size,
                                        enable_caching=config.cache.enable_prefix_caching,
                                        num_swap_blocks=self.num_swap_blocks, layout=config.model.kv_layout)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache)
+        # Speculative decoding's per-step rule (None: no speculation)
+        self.speculation = None if config.speculative is None else SpeculationPolicy(config.speculative)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, self.speculation)
         # Audio models (None for text ones): how prompts carry audio and requests sample frames.
         self.audio = AudioGeneration.for_model(self.runner_facts.audio_spec, config.model.path,
                                                config.model.repetition_aware_sampling)
@@ -240,9 +244,9 @@ class LLMEngine:
             plan = self.scheduler.schedule()
             step_input = None if plan.is_empty else self.scheduler.runner_input(plan)
             if step_input is not None and self.structured_outputs.started:  # the allowed tokens of sampling rows
-                step_input.grammar_bitmask = self.structured_outputs.bitmask(
-                    [s.request for s in plan.scheduled if s.samples])
+                step_input.grammar_bitmask = self._grammar_bitmask(plan)
         self.last_step_num_requests = len(plan.scheduled)
+        started = time.perf_counter()
         with phase("launch"):
             pending = None if step_input is None else self.executor.execute_model(step_input)
         outputs = []
@@ -253,15 +257,27 @@ class LLMEngine:
             return outputs
         with phase("wait"):
             result = self.outputs.drop_ended(pending.result())
+        if self.speculation is not None:
+            self.speculation.record_step(plan.num_tokens, time.perf_counter() - started)
         with phase("update"):
-            self.scheduler.update(plan, {rid: row.token_id for rid, row in result.sampled.items()},
+            self.scheduler.update(plan, {rid: row.token_ids for rid, row in result.sampled.items()},
                                   {rid: (row.frame, row.audio_finished) for rid, row in result.sampled.items()
-                                   if row.frame is not None})
+                                   if row.frame is not None}, result.spec_token_ids)
         if self.config.async_output_proc:
             self._deferred = result
             return outputs
         with phase("outputs"):
             return outputs + self.outputs.process(result)
+
+    def _grammar_bitmask(self, plan):
+        """Structured outputs' bitmask for the step's sampling rows (with drafts: a row per draft and one more)."""
+        sampling = [s for s in plan.scheduled if s.samples]
+        return self.structured_outputs.bitmask([s.request for s in sampling], [s.spec_token_ids for s in sampling])
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's counters (None without --speculative-config)."""
+        return None if self.speculation is None else self.speculation.stats
 
     def local_model(self):
         """This process's model (rank 0's shard under tensor parallelism): what `bench roofline` times layer by

@@ -22,6 +22,7 @@ class _Sequence:
     request: Request
     index: int
     detokenizer: IncrementalDetokenizer | None
+    num_seen: int = 0  # output tokens made into output so far
 
 
 @dataclass
@@ -91,7 +92,8 @@ class OutputProcessor:
 
         return ModelRunnerOutput({rid: row for rid, row in result.sampled.items() if live(rid)},
                                  {rid: c for rid, c in result.prompt_logprobs.items() if live(rid)},
-                                 {rid: data for rid, data in result.pooled.items() if live(rid)})
+                                 {rid: data for rid, data in result.pooled.items() if live(rid)},
+                                 {rid: d for rid, d in result.spec_token_ids.items() if live(rid)})
 
     def process(self, result: ModelRunnerOutput) -> list[RequestOutput | PoolingRequestOutput]:
         """The step's outputs: tokens detokenized, stop strings applied, finished groups let go."""
@@ -115,12 +117,22 @@ class OutputProcessor:
         for rid, chunk in result.prompt_logprobs.items():
             if rid in self._seq_of:  # (an abort since the step ran drops its rows)
                 self._add_prompt_logprobs(self._seq_of[rid][0], chunk)
-        for rid, row in result.sampled.items():
+        for rid, step_row in result.sampled.items():
             if rid not in self._seq_of:
                 continue
             group, seq = self._seq_of[rid]
-            req = seq.request
             touched[group.request_id] = group
+            self._add_tokens(seq, step_row)
+        return list(touched.values())
+
+    def _add_tokens(self, seq: _Sequence, step_row) -> None:
+        """A step's tokens of one sequence: one, or (speculative decoding) the kept drafts and the sampled token,
+        as many as the scheduler appended (a stop token ends the run). A stop string met before the run's end
+        drops the tokens after it."""
+        req = seq.request
+        rows = [*(step_row.accepted or ()), step_row][:req.num_output_tokens - seq.num_seen]
+        seq.num_seen += len(rows)
+        for i, row in enumerate(rows):
             if row.logprob is not None:
                 entry = {row.token_id: Logprob(row.logprob, row.rank, self._decode_one(row.token_id))}
                 for rank, (tid, lp) in enumerate(zip(row.top_ids, row.top_logprobs), start=1):
@@ -130,20 +142,24 @@ class OutputProcessor:
                 req.cumulative_logprob += row.logprob
             if seq.detokenizer is None:
                 continue
-            stopped_by_token = req.status == RequestStatus.FINISHED_STOPPED and (
+            last = i == len(rows) - 1
+            stopped_by_token = last and req.status == RequestStatus.FINISHED_STOPPED and (
                 row.token_id in req.eos_token_ids or row.token_id == req.stop_reason)
             if stopped_by_token and not req.sampling_params.include_stop_str_in_output:
                 continue  # the EOS / stop token's own text is not part of the output
             _, stop = seq.detokenizer.add_token(row.token_id)
-            if stop is None and req.is_finished:
+            if stop is None and req.is_finished and last:
                 _, stop = seq.detokenizer.flush()
             if stop is not None:
                 if not req.is_finished:
                     self._finish_request(req, RequestStatus.FINISHED_STOPPED)
                     req.stop_reason = stop
-                elif req.status == RequestStatus.FINISHED_LENGTH:
+                elif req.status == RequestStatus.FINISHED_LENGTH or not last:
                     req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop
-        return list(touched.values())
+                if not last:  # (speculative decoding) the run's tokens after the stop string are not output
+                    del req.all_token_ids[len(req.all_token_ids) - (len(rows) - 1 - i):]
+                    seq.num_seen = req.num_output_tokens
+                break
 
     def _add_prompt_logprobs(self, group: _Group, chunk) -> None:
         if group.prompt_logprobs is None:

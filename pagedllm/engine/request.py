@@ -94,6 +94,9 @@ class Request(TokenSequence):
         # Structured outputs: the matcher of the request's constraint (a structured_output.GrammarState), made
         # at its first sampling step; the step's bitmask is filled from it.
         self.grammar: Any = None
+        # Speculative decoding: the runner's proposed next tokens, checked when the request is next scheduled.
+        self.spec_token_ids: list[int] = []
+        self.spec_acceptance: tuple[float, float] | None = None  # its first drafts: (kept, looked at), recent (policy.py)
         self.prompt_logprobs: list[dict[int, Logprob] | None] = []
         self.cumulative_logprob = 0.0
 

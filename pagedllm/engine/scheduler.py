@@ -19,20 +19,23 @@ from dataclasses import dataclass, field
 from pagedllm.config import SchedulerConfig
 from pagedllm.engine.kv_cache_manager import BlockCopy, KVCacheManager
 from pagedllm.engine.request import Request, RequestStatus
+from pagedllm.spec_decode.policy import SpeculationPolicy
 from pagedllm.step_input import NewRequestData, ScheduledTokens, StepInput
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # the drafts included
     block_tables: list[list[int]]  # one per KV group (kv_layout.py)
+    # Speculative decoding: draft tokens after the request's last token, checked by this step's forward.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the request's tokens, so a token is sampled."""
         r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+        return r.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids) == r.num_tokens
 
 
 @dataclass
@@ -74,9 +77,11 @@ class PreemptionStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 speculation: SpeculationPolicy | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.speculation = speculation  # None: no speculative decoding
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # swapped out, kept in (priority, arrival) order
@@ -137,20 +142,38 @@ class Scheduler:
         """Running requests in (priority, arrival) order: the most important get their blocks first,
         and the victims come from the end. A stable sort: ties keep the order they joined in."""
         self.running.sort(key=lambda r: (r.priority, r.arrival_time))
+        speculating = self._speculating()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv_cache.allocate_slots(req, n):
+            drafts = self._drafts(req, n, budget) if req.request_id in speculating else []
+            while not self.kv_cache.allocate_slots(req, n + len(drafts)):
                 victim = self._pop_victim(i)
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n, self.kv_cache.group_tables(req.request_id)))
-                budget -= n
+                out.scheduled.append(ScheduledRequest(req, n + len(drafts), self.kv_cache.group_tables(req.request_id),
+                                                      drafts))
+                budget -= n + len(drafts)
                 i += 1
         return budget
+
+    def _speculating(self) -> set[str]:
+        """The requests whose drafts this step checks (the speculation policy's rule)."""
+        if self.speculation is None:
+            return set()
+        return self.speculation.select([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1])
+
+    @staticmethod
+    def _drafts(req: Request, n: int, budget: int) -> list[int]:
+        """The drafts a decoding request checks this step: as many as the token budget, and its output limit
+        (a step yields at most one token more than its drafts), allow."""
+        if n != req.num_tokens - req.num_computed_tokens or n != 1:
+            return []
+        room = min(budget - n, req.max_output_tokens - req.num_output_tokens - 1)
+        return req.spec_token_ids[:max(room, 0)]
 
     def _pop_victim(self, first: int) -> Request:
         """The lowest-priority running request not yet scheduled this step (running[first:]): the
@@ -195,6 +218,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         request.num_preemptions += 1
+        request.spec_token_ids = []
         if self._swaps(request):
             self._swap_out(request, out)
         else:
@@ -247,33 +271,57 @@ class Scheduler:
                     req.prompt_frames, req.audio_state, req.pooling_params))
                 req.audio_state = None  # the runner's from now on
             step.scheduled.append(ScheduledTokens(req.request_id, req.num_computed_tokens, s.num_new_tokens,
-                                                  s.block_tables, s.samples))
+                                                  s.block_tables, s.samples, tuple(s.spec_token_ids)))
         return step
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int],
-               audio: dict[str, tuple[list[int], bool]] | None = None) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]],
+               audio: dict[str, tuple[list[int], bool]] | None = None,
+               drafts: dict[str, list[int]] | None = None) -> list[Request]:
         """Advance cursors, append sampled tokens (and an audio model's frames: id -> (frame, audio
-        finished)), apply token-level stops. Returns finished requests."""
+        finished)), apply token-level stops. Returns finished requests.
+
+        Speculative decoding: a request that checked drafts gets a list, the drafts the target kept then the
+        token it sampled; the K/V of the rejected drafts is dropped (the cursor stays before them and their
+        blocks go back). `drafts`: each request's drafts for the next step (the runner's proposals)."""
         finished = []
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
+            num_drafts = len(s.spec_token_ids)
+            req.num_computed_tokens += s.num_new_tokens - num_drafts
+            unchecked = req.spec_token_ids if not num_drafts and s.samples else []
+            req.spec_token_ids = []
             if req.pooling_params is not None:  # pooled once its prompt is computed: nothing is generated
                 if req.num_computed_tokens == req.num_tokens:
                     self._end(req, RequestStatus.FINISHED_STOPPED)
                     finished.append(req)
                 continue
-            token = sampled.get(req.request_id)
-            if token is None:
+            tokens = sampled.get(req.request_id)
+            if tokens is None:
                 continue
-            req.append_token(token)
-            if audio and req.request_id in audio:
-                frame, req.audio_finished = audio[req.request_id]
-                req.audio_frames.append(frame)
-            status = self._check_stop(req, token)
+            tokens = [tokens] if isinstance(tokens, int) else tokens
+            if num_drafts:
+                kept = len(tokens) - 1  # the kept drafts' K/V was computed by this step
+                req.num_computed_tokens += kept
+                self.speculation.record_verify(req, num_drafts, kept)
+            elif unchecked and self.speculation is not None:  # what checking them would have kept first
+                self.speculation.record_unchecked(req, unchecked[0] == tokens[0])
+            status = None
+            for token in tokens:
+                req.append_token(token)
+                if audio and req.request_id in audio:
+                    frame, req.audio_finished = audio[req.request_id]
+                    req.audio_frames.append(frame)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
             if status is not None:
                 self._end(req, status)
                 finished.append(req)
+                continue
+            if num_drafts:
+                self.kv_cache.trim(req)
+            if drafts:
+                req.spec_token_ids = drafts.get(req.request_id, [])
         return finished
 
     def _end(self, req: Request, status: RequestStatus) -> None:

@@ -119,10 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_audio_tokenizer_args(plan)
     plan.set_defaults(func=_cmd_plan)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline, sweep, audio, host, soak, compare",
-                           add_help=False)
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, roofline, sweep, audio, host, soak, compare, "
+                                         "spec", add_help=False)
     bench.add_argument("kind", choices=["throughput", "serve", "roofline", "sweep", "audio", "host", "soak",
-                                        "compare"])
+                                        "compare", "spec"])
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
     return parser

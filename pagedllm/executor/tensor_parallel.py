@@ -86,7 +86,7 @@ class TensorParallelExecutor(Executor):
         def result():
             with self._collectives():
                 out = original()
-            sampled.update((rid, (row.token_id, row.frame)) for rid, row in out.sampled.items())
+            sampled.update((rid, (row.token_ids, row.frame)) for rid, row in out.sampled.items())
             return out
 
         pending.result = result

@@ -23,11 +23,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepCommand:
-    """One step for the workers: what rank 0 sampled in the step before (request id -> (token id, the audio
-    frame of an audio model or None)), then the step itself."""
+    """One step for the workers: what rank 0 sampled in the step before (request id -> (its token ids: one, or
+    the kept drafts and the sampled token; the audio frame of an audio model or None)), then the step itself."""
 
     step: StepInput
-    sampled: dict[str, tuple[int, list[int] | None]] = field(default_factory=dict)
+    sampled: dict[str, tuple[list[int], list[int] | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,14 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, command: StepCommand) -> None:
-        for request_id, (token_id, frame) in command.sampled.items():
+        for request_id, (token_ids, frame) in command.sampled.items():
             req = self.runner.requests.get(request_id)
             if req is None:
                 continue
             if frame is not None:
                 commit_frame(req.audio_state, frame)
-            req.append_token(token_id)
+            for token_id in token_ids:  # (speculative decoding: the kept drafts, then the sampled token)
+                req.append_token(token_id)
         self.runner.execute(command.step)  # its result holds no samples: rank 0's come with the next step
 
     def run(self, method: str, args: tuple) -> Any:

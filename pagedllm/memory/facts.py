@@ -168,6 +168,9 @@ def settings_from(engine_config) -> PlanSettings:
         swap_space_bytes=c.cache.swap_space_bytes, cuda_graph_sizes=planned_graph_sizes(c),
         tensor_parallel_size=c.parallel.tensor_parallel_size, worker_processes=planned_workers(c),
         pooling=c.model.pooler is not None,
+        num_speculative_tokens=c.speculative.num_speculative_tokens if c.speculative else 0,
+        speculative_method=c.speculative.method if c.speculative else "",
+        speculative_max_batch=c.speculative.disable_by_batch_size if c.speculative else None,
     )
 
 

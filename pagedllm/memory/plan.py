@@ -65,6 +65,10 @@ class PlanSettings:
     # needed, each capped (isolated_worker.py); part of this plan where the device shares the host's memory.
     worker_processes: tuple[tuple[str, int], ...] = ()
     pooling: bool = False  # the pooling runner: requests end with their prompt, nothing decodes
+    # --speculative-config: drafts a request checks per step (0: none) and how they are made
+    num_speculative_tokens: int = 0
+    speculative_method: str = ""
+    speculative_max_batch: int | None = None  # disable_by_batch_size: larger steps check no drafts
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -99,6 +103,9 @@ class DeviceFacts:
     def shares_host_memory(self) -> bool:
         """The device's memory is the host's RAM (CPU, unified memory): page cache lives in it."""
         return self.device == "cpu" or self.unified
+
+
+NO_SPECULATION = "without --speculative-config"  # the fix that turns speculative decoding off
 
 
 @dataclass(frozen=True)
@@ -290,9 +297,27 @@ class MemoryPlan:
         return sum(size for _, size in self.settings.worker_processes)
 
     @property
+    def spec_decode_rows(self) -> int:
+        """Speculative decoding: the logits rows a step has beyond one per sequence (each checked draft has one),
+        up to the step's token budget (and of at most disable_by_batch_size sequences)."""
+        s = self.settings
+        if not s.num_speculative_tokens:
+            return 0
+        checking = min(s.max_num_seqs, s.speculative_max_batch or s.max_num_seqs)  # sequences that may check drafts
+        return max(0, min(s.max_num_seqs + checking * s.num_speculative_tokens, s.max_num_batched_tokens)
+                   - min(s.max_num_seqs, s.max_num_batched_tokens))
+
+    @property
+    def spec_decode_bytes(self) -> int:
+        """Those rows' logits (model dtype), the sampler's float32 copy and the checked rows' probabilities (float32):
+        what a step that checks drafts holds beyond the activation peak measured with one row per sequence. The
+        n-gram proposer has no weights and no KV cache of its own."""
+        return self.spec_decode_rows * self.model.vocab_size * (self.settings.dtype.itemsize + 8)
+
+    @property
     def non_kv_bytes(self) -> int:
         return (self.weight_bytes + self.activation_bytes + self.overhead_bytes + self.component_bytes
-                + self.graph_pool_bytes + self.bitmask_bytes + self.worker_bytes)
+                + self.graph_pool_bytes + self.bitmask_bytes + self.worker_bytes + self.spec_decode_bytes)
 
     @property
     def component_bytes(self) -> int:
@@ -468,6 +493,8 @@ class MemoryPlan:
         if self.kv_budget_bytes < self.block_bytes:
             swap = f", the swap space ({fmt_bytes(self.shared_swap_bytes)})" if self.shared_swap_bytes else ""
             graphs = f", the CUDA graphs ({fmt_bytes(self.graph_pool_bytes)})" if self.graph_pool_bytes else ""
+            graphs += (f", speculative decoding's logits rows ({fmt_bytes(self.spec_decode_bytes)})"
+                       if self.spec_decode_bytes else "")
             return (f"after other processes ({fmt_bytes(others)}) and the weights ({fmt_bytes(self.weight_bytes)}), "
                     f"the activation peak ({fmt_bytes(self.activation_bytes)}){swap}{graphs}{self._components_text()} "
                     f"and runtime overhead "
@@ -475,6 +502,8 @@ class MemoryPlan:
                     f"{fmt_bytes(budget)} budget for the KV cache: not one block ({fmt_bytes(self.block_bytes)}).")
         graphs = (f"; the CUDA graphs of decode steps take {fmt_bytes(self.graph_pool_bytes)} of the budget"
                   if self.graph_pool_bytes else "")
+        graphs += (f"; speculative decoding's logits rows take {fmt_bytes(self.spec_decode_bytes)}"
+                   if self.spec_decode_bytes else "")
         return (f"the KV cache gets {fmt_bytes(self.kv_budget_bytes)}, enough for "
                 f"{self.tokens_held(self.blocks_that_fit)} tokens, but one sequence of max_model_len "
                 f"{self.max_model_len} needs {fmt_bytes(self.seq_bytes)} "
@@ -562,6 +591,8 @@ class MemoryPlan:
             candidates.append(swap)
         if self.graph_pool_bytes:
             candidates.append(("--enforce-eager", "", self.with_settings(cuda_graph_sizes=())))
+        if self.spec_decode_bytes:
+            candidates.append((NO_SPECULATION, "", self.with_settings(num_speculative_tokens=0)))
         return [Fix(flag, value, self._effect_of(flag, p), p.offload_step_ms if flag == "--cpu-offload-gb" else None,
                     p) for flag, value, p in candidates if p.fits]
 
@@ -621,6 +652,9 @@ class MemoryPlan:
                          f"({PLANNED_CHECKPOINT_SOURCES[fixed.settings.quantization]}), which loads as stored: "
                          f"pagedllm does not make {fixed.settings.quantization} at load")
             return text + (f"; {fixed.offload_cost()}" if flag == "--cpu-offload-gb" else "")
+        if flag == NO_SPECULATION:
+            return (f"{fixed.effect()}; frees the {fmt_bytes(self.spec_decode_bytes)} of drafts' logits rows, and "
+                    f"decoding runs one token per step")
         if flag == "--enforce-eager":
             return (f"{fixed.effect()}; frees the CUDA graph pool ({fmt_bytes(self.graph_pool_bytes)}), and decode "
                     f"steps are launched kernel by kernel (slower)")
@@ -704,6 +738,7 @@ class MemoryPlan:
             self._overhead_row(),
             *self._graph_rows(),
             *self._bitmask_rows(),
+            *self._spec_decode_plan_rows(),
             *self._worker_rows(),
             *self._component_rows(),
             ("left for the KV cache", fmt_bytes(self.kv_budget_bytes),
@@ -785,6 +820,14 @@ class MemoryPlan:
                  f"compiled grammars: host memory, up to {fmt_bytes(grammar_cache_limit_bytes())} "
                  "(VLLM_XGRAMMAR_CACHE_MB)")]
 
+    def _spec_decode_plan_rows(self) -> list[tuple[str, str, str]]:
+        s = self.settings
+        if not s.num_speculative_tokens:
+            return []
+        return [(f"speculative decoding ({s.speculative_method}, {s.num_speculative_tokens} drafts): "
+                 f"{self.spec_decode_rows} more logits rows", fmt_bytes(self.spec_decode_bytes),
+                 "estimated; no draft weights or draft KV cache (n-gram drafts)")]
+
     def _worker_rows(self) -> list[tuple[str, str, str]]:
         workers = self.settings.worker_processes
         if not workers:
@@ -861,6 +904,7 @@ class MemoryPlan:
             "cuda_graph_sizes": list(self.settings.cuda_graph_sizes),
             "cuda_graph_pool_bytes": self.graph_pool_bytes,
             "structured_output_bitmask_bytes": self.bitmask_bytes,
+            "spec_decode_bytes": self.spec_decode_bytes,
             "worker_processes": [{"name": name, "host_bytes": size} for name, size in self.settings.worker_processes],
             "worker_process_bytes": self.worker_bytes,
             "components": [{"name": c.name, "weight_bytes": c.weight_bytes, "activation_peak_bytes": c.activation_bytes,

@@ -40,6 +40,8 @@ from pagedllm.pooling_params import PoolingParams
 from pagedllm.model_executor.sampler import PendingRows, SampledRow, Sampler
 from pagedllm.model_executor.step_buffers import StepBuffers
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_decode.proposer import make_proposer
+from pagedllm.spec_decode.verify import ACCEPT_SEED_SALT, VerifyGroup, greedy_chain, positions, sampled_chain
 from pagedllm.structured_output import apply_grammar_bitmask
 from pagedllm.utils import cdiv, phase
 
@@ -62,6 +64,8 @@ class ModelRunnerOutput:
     sampled: dict[str, SampledRow] = field(default_factory=dict)
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)  # pooling requests done this step: their outputs
+    # Speculative decoding: each request's drafts for its next step (the proposer's, after this step's tokens)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,9 +85,10 @@ class PendingOutput:
     computes the prompt logprobs asked for."""
 
     def __init__(self, requests: list[RunnerRequest], sampled: PendingRows | None, prompt_spans: list,
-                 pooled: dict[str, torch.Tensor] | None = None) -> None:
+                 pooled: dict[str, torch.Tensor] | None = None, propose=None) -> None:
         self._requests, self._sampled, self._prompt_spans = requests, sampled, prompt_spans
         self._pooled = pooled or {}
+        self._propose = propose  # speculative decoding: requests -> their drafts for the next step
         self._output: ModelRunnerOutput | None = None
 
     @torch.inference_mode()
@@ -93,7 +98,10 @@ class PendingOutput:
             if self._sampled is not None:
                 for req, row in zip(self._requests, self._sampled.rows()):
                     out.sampled[req.request_id] = row
-                    req.append_token(row.token_id)
+                    for token in row.token_ids:
+                        req.append_token(token)
+                if self._propose is not None:
+                    out.spec_token_ids = self._propose(self._requests)
             for req, first, compute, hidden in self._prompt_spans:
                 out.prompt_logprobs[req.request_id] = compute(req, first, hidden)
             self._output = out
@@ -125,6 +133,7 @@ class ModelRunner:
         for backend in self.attn_backends:
             backend.allocate_buffers(max_tokens, s.max_num_seqs, cdiv(m.max_model_len, self.block_size), self.device)
         self.sampler = Sampler(self.device, config.model.seed, s.max_num_seqs)
+        self.proposer = make_proposer(config.speculative)  # None: no speculative decoding
         # Multi-codebook audio models: frames in and out (audio_runner); None for text models.
         self.audio_spec = self.model.audio_spec
         # The step's token ids (and a graphed audio decode's frames) in persistent device buffers.
@@ -341,7 +350,8 @@ class ModelRunner:
             starts.append(c)
             lengths.append(s.num_new_tokens)
             tables.append(s.block_tables)
-            input_ids.extend(req.all_token_ids[c:c + s.num_new_tokens])
+            input_ids.extend(req.all_token_ids[c:c + s.num_new_tokens - len(s.spec_token_ids)])
+            input_ids.extend(s.spec_token_ids)  # drafts: checked by this forward
         with phase("forward"):
             hidden = self._forward(step, reqs, starts, lengths, tables, input_ids)  # (tokens, hidden)
         if self.pooler is not None:
@@ -368,13 +378,16 @@ class ModelRunner:
 
     def _launch_sampling(self, step: StepInput, reqs: list[RunnerRequest], starts: list[int], lengths: list[int],
                          hidden: torch.Tensor) -> PendingOutput:
-        # Rows whose logits we need: each sampling request's last token, then prompt-logprob rows.
-        sample_rows, sample_reqs, prompt_spans = [], [], []
+        # Rows whose logits we need: each sampling request's last token (and its drafts'), then prompt-logprob rows.
+        sample_rows, sample_reqs, row_views, groups, prompt_spans = [], [], [], [], []
         offset = 0
         for s, req, c, n in zip(step.scheduled, reqs, starts, lengths):
             if s.samples:
-                sample_rows.append(offset + n - 1)
+                k = len(s.spec_token_ids)
+                groups.append(VerifyGroup(req, len(sample_rows), s.spec_token_ids))
+                sample_rows.extend(range(offset + n - k - 1, offset + n))
                 sample_reqs.append(req)
+                row_views.extend(positions(req, s.spec_token_ids))
             if req.wants_prompt_logprobs and c < req.num_prompt_tokens - 1:
                 end = min(c + n, req.num_prompt_tokens - 1)  # positions that predict a prompt token
                 prompt_spans.append((req, c, hidden[offset:offset + end - c]))
@@ -388,10 +401,47 @@ class ModelRunner:
                                                          for req, first, h in prompt_spans])
             if step.grammar_bitmask is not None:  # structured outputs: the engine filled it for these rows
                 apply_grammar_bitmask(logits, step.grammar_bitmask)
-            sampled = self.sampler.sample(logits, sample_reqs) if self.audio_spec is None else \
-                PendingRows.ready(self._sample_audio(logits, sample_reqs))
+            if self.audio_spec is not None:
+                sampled = PendingRows.ready(self._sample_audio(logits, sample_reqs))
+            elif len(row_views) > len(groups):  # some request checks drafts
+                sampled = PendingRows.ready(self._verify(logits, groups, row_views))
+            else:
+                sampled = self.sampler.sample(logits, sample_reqs)
+        propose = None if self.proposer is None else self.proposer.propose
         return PendingOutput(sample_reqs, sampled, [(req, first, self._prompt_logprobs, h)
-                                                    for req, first, h in prompt_spans])
+                                                    for req, first, h in prompt_spans], propose=propose)
+
+    def _verify(self, logits: torch.Tensor, groups: list[VerifyGroup], views: list) -> list[SampledRow]:
+        """Each request's tokens of a step that checks drafts (spec_decode/verify.py): the kept drafts (as the
+        returned row's `accepted`) and the token the target chose after them."""
+        pending = self.sampler.sample(logits, views)  # greedy rows' choices; rows without drafts: their draws
+        sampled = [g for g in groups if g.drafts and not g.request.sampling_params.greedy]
+        if sampled:
+            index = [g.first_row + j for g in sampled for j in range(g.num_rows)]
+            sub = [views[i] for i in index]
+            probs = self.sampler.probs(logits[torch.tensor(index, device=logits.device)], sub)
+            accept_u, draw_u = self.sampler.uniforms(sub, ACCEPT_SEED_SALT), self.sampler.uniforms(sub)
+        rows, out, at = pending.rows(), [], 0
+        for g in groups:
+            if not g.drafts:
+                out.append(rows[g.first_row])
+                continue
+            span = slice(g.first_row, g.first_row + g.num_rows)
+            if g.request.sampling_params.greedy:
+                chain = greedy_chain(g.drafts, [r.token_id for r in rows[span]])
+            else:
+                mine = slice(at, at + g.num_rows)
+                chain = sampled_chain(probs[mine], g.drafts, accept_u[mine], draw_u[mine])
+                at += g.num_rows
+            if g.request.sampling_params.logprobs is not None:
+                chain_rows = self.sampler.logprob_rows(logits[g.first_row:g.first_row + len(chain)], chain,
+                                                       views[g.first_row:g.first_row + len(chain)])
+            else:
+                chain_rows = [SampledRow(t) for t in chain]
+            last = chain_rows[-1]
+            last.accepted = chain_rows[:-1]
+            out.append(last)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor, vocab_major: bool = False) -> torch.Tensor | None:
         """The model's logits of `hidden`'s rows. Under tensor parallelism each rank computes its vocabulary

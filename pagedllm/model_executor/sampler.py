@@ -27,6 +27,13 @@ class SampledRow:
     rank: int | None = None
     top_ids: list[int] | None = None
     top_logprobs: list[float] | None = None
+    # Speculative decoding: the drafts the target kept at this step, before token_id (each with its logprobs)
+    accepted: list[SampledRow] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The step's tokens for the request: the kept drafts, then the sampled token."""
+        return [r.token_id for r in self.accepted or ()] + [self.token_id]
 
 
 class PendingRows:
@@ -136,7 +143,7 @@ class Sampler:
         params = [r.sampling_params for r in requests]
         bans = self._min_tokens_bans(requests)
         wants_logprobs = any(p.logprobs is not None for p in params)
-        biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        biased = any(p.logit_bias for p in params)
         if all(p.greedy for p in params) and not wants_logprobs and not bans and not biased \
                 and not any(map(_has_penalty, params)):
             # Nothing changes the logits: the first maximum of the model's own, with no float32 copy.
@@ -145,14 +152,7 @@ class Sampler:
         batch = SamplingBatch.build(requests, logits.device, self.buffers)
         logits = self._float_copy(logits)  # (rows, vocab), ours to change in place
         raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_logprobs >= 0 else None
-        ban_index = _flat_index(bans, logits.device)
-        if ban_index is not None:
-            logits[ban_index] = _NEG_INF
-        if biased:  # OpenAI's logit_bias, every row's in one scatter
-            rows, ids = _flat_index([(i, list(bias)) for i, bias in biased], logits.device)
-            values = torch.tensor([b for _, bias in biased for b in bias.values()], dtype=logits.dtype)
-            logits.index_put_((rows, ids), values.to(logits.device), accumulate=True)
-        logits = self._apply_penalties(logits, requests, batch)
+        logits = self._adjust(logits, requests, batch, bans)
         greedy_rows = [p.greedy for p in params]
         if all(greedy_rows):
             tokens = argmax_rows(logits)
@@ -164,6 +164,55 @@ class Sampler:
         if raw_logprobs is None:
             return PendingRows(tokens, _token_rows)
         return self._rows_with_logprobs(raw_logprobs, tokens, batch)
+
+    def _adjust(self, logits: torch.Tensor, requests: list[Request], batch: SamplingBatch,
+                bans: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """min_tokens' bans, logit_bias and the penalties, on float32 logits that are ours to change."""
+        ban_index = _flat_index(bans, logits.device)
+        if ban_index is not None:
+            logits[ban_index] = _NEG_INF
+        biased = [(i, p.logit_bias) for i, p in enumerate(batch.params) if p.logit_bias]
+        if biased:  # OpenAI's logit_bias, every row's in one scatter
+            rows, ids = _flat_index([(i, list(bias)) for i, bias in biased], logits.device)
+            values = torch.tensor([b for _, bias in biased for b in bias.values()], dtype=logits.dtype)
+            logits.index_put_((rows, ids), values.to(logits.device), accumulate=True)
+        return self._apply_penalties(logits, requests, batch)
+
+    def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Each row's distribution as `sample` draws from it (bans, logit_bias, penalties, temperature, top-k,
+        top-p, min-p): float32 (rows, vocab), rows summing to 1; a greedy row is one-hot at its choice.
+        Speculative decoding's accept / reject rule needs the whole distribution, not one draw."""
+        batch = SamplingBatch.build(requests, logits.device, None)
+        logits = self._adjust(logits.float().clone(), requests, batch, self._min_tokens_bans(requests))
+        greedy = argmax_rows(logits)
+        logits = logits.div_(batch.temperature)
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in batch.params):
+            logits = _top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        if any(p.min_p > 0.0 for p in batch.params):
+            probs = probs.masked_fill(probs < batch.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        one_hot = torch.zeros_like(probs).scatter_(1, greedy[:, None], 1.0)
+        return torch.where(batch.greedy[:, None], one_hot, probs)
+
+    def uniforms(self, requests: list[Request], salt: int = 0) -> list[float]:
+        """One uniform number per row, as `sample` draws them: the engine's generator's, or for a seeded row
+        the hash of (its seed xor `salt`, its draw counter), so a seeded request's numbers do not depend on the
+        batch."""
+        batch = SamplingBatch.build(requests, self.device, None)
+        uniform = torch.rand(len(requests), dtype=torch.float64, device=self.device, generator=self.generator)
+        if batch.any_seeded:
+            seeds = torch.tensor([_seed_bits((r.sampling_params.seed or 0) ^ salt) for r in requests],
+                                 dtype=torch.int64, device=self.device)
+            uniform = torch.where(batch.seeded, seeded_uniform(seeds, batch.draw), uniform)
+        return uniform.tolist()
+
+    def logprob_rows(self, logits: torch.Tensor, tokens: list[int], requests: list[Request]) -> list[SampledRow]:
+        """Rows of chosen `tokens` with their logprobs (the model's raw distribution, as `sample` reports them)."""
+        batch = SamplingBatch.build(requests, logits.device, None)
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        chosen = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+        return self._rows_with_logprobs(raw, chosen, batch).rows()
 
     @staticmethod
     def reads_any_layout(requests: list[Request]) -> bool:

@@ -39,7 +39,7 @@ logger = logging.getLogger("pagedllm.server")
 UNIMPLEMENTED_FLAGS = {
     "--pipeline-parallel-size": 1,
     "--enable-lora": False,
-    "--speculative-config": None, "--enable-chunked-prefill": None,
+    "--enable-chunked-prefill": None,
 }
 
 

@@ -175,6 +175,8 @@ class HiggsAudioV2ForConditionalGeneration(LlamaForCausalLM):
     `compute_logits(hidden) -> (rows, num_codebooks, codebook_size)`, and `audio_spec` for sampling.
     """
 
+    generates_audio = True  # positions are frames of several codebooks (no speculative decoding)
+
     ignored_weight_names = IGNORED_WEIGHTS  # not even read from the checkpoint
     logits_split_by_vocab = False  # the audio head is replicated on every rank (distributed/sharding.py)
 
