@@ -218,6 +218,7 @@ class EngineConfig:
     structured_outputs: StructuredOutputLimits = field(default_factory=StructuredOutputLimits)
     request_template_worker: bool = False  # the server's worker for requests' own chat templates (planned)
     speculative: SpeculativeConfig | None = None  # --speculative-config; None: no speculative decoding
+    draft_model: ModelConfig | None = None  # speculative method draft_model: the draft's model config
 
     def __post_init__(self) -> None:
         if self.cuda_graph_sizes is not None:

@@ -5,9 +5,9 @@ import json
 from dataclasses import dataclass, fields
 
 # Methods pagedllm runs, by vLLM's names. "ngram": prompt lookup (no model); "draft_model": a small model
-# of the same tokenizer; "eagle3" / "mtp": draft heads on the target's hidden states.
-SPECULATIVE_METHODS = ("ngram",)
-NOT_YET = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+# of the same vocabulary, in the same engine; "eagle3" / "mtp": draft heads on the target's hidden states (not yet).
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -19,6 +19,8 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 3
+    model: str | None = None  # draft_model: the draft's folder or hub name (in the local HF cache)
+    draft_tensor_parallel_size: int | None = None  # draft_model: 1 (the draft runs on one rank)
     prompt_lookup_min: int | None = None  # ngram: shortest suffix matched (default: prompt_lookup_max)
     prompt_lookup_max: int | None = None  # ngram: longest suffix matched (default: prompt_lookup_min, else 5)
     disable_by_batch_size: int | None = None
@@ -31,6 +33,12 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}; got "
                              f"{self.method!r}.")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method draft_model needs \"model\" (the draft's folder), and only "
+                             "it takes one.")
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"draft_tensor_parallel_size must be 1 (the draft runs on one rank); got "
+                             f"{self.draft_tensor_parallel_size!r}.")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}]; got {k!r}.")
@@ -62,6 +70,8 @@ class SpeculativeConfig:
                                  f"\"num_speculative_tokens\": 3}}': {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object; got {type(value).__name__}.")
+        if "method" not in value and value.get("model") is not None:  # vLLM: a model alone is a draft model
+            value = {**value, "method": "draft_model"}
         if value.get("method") in NOT_YET:
             raise ValueError(f"speculative method {value['method']!r} is not implemented yet; pagedllm runs "
                              f"{', '.join(SPECULATIVE_METHODS)}.")

@@ -262,3 +262,23 @@ def test_speculative_decoding_has_its_own_line_and_a_fix_that_turns_it_off(capsy
     code, out, _ = run_main(capsys, *args, *spec[:1], '{"method": "ngram", "num_speculative_tokens": 4, '
                             '"disable_by_batch_size": 8}', "--json")
     assert code == 0 and json.loads(out)["spec_decode_bytes"] == 8 * 4 * vocab * (2 + 8)
+
+
+def test_a_draft_model_adds_its_weights_and_its_kv_per_token(capsys):
+    """Qwen2.5-0.5B drafting for Qwen2.5-7B (a vocabulary padded to 151,936 rows against 152,064: one tokenizer):
+    the draft's weights from its shapes, and its K/V per token beside the target's in every block."""
+    args = ["plan", "qwen2.5-7b", "--device", "cuda", "--device-memory", "40GiB", "--max-model-len", "8192", "--json"]
+    code, out, err = run_main(capsys, *args)
+    assert code == 0, err
+    base = json.loads(out)
+    spec = '{"method": "draft_model", "model": "qwen2.5-0.5b", "num_speculative_tokens": 4}'
+    code, out, err = run_main(capsys, *args, "--speculative-config", spec)
+    assert code == 0, err
+    data = json.loads(out)
+    half_b = json.loads(run_main(capsys, "plan", "qwen2.5-0.5b", "--device", "cuda", "--device-memory", "40GiB",
+                                 "--json")[1])
+    assert data["draft_weight_bytes"] == half_b["weights_bytes"]
+    assert data["draft_kv_bytes_per_token"] == half_b["kv_bytes_per_token"] == 24 * 2 * 2 * 64 * 2
+    assert data["kv_bytes_per_token"] == base["kv_bytes_per_token"] + data["draft_kv_bytes_per_token"]
+    code, out, _ = run_main(capsys, *args[:-1], "--speculative-config", spec)
+    assert "draft model weights (qwen2.5-0.5b)" in out and "draft KV cache per token" in out

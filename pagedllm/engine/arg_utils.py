@@ -252,6 +252,7 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching if pooler is None else False,
             swap_space_bytes=self._swap_space_bytes(),
         )
+        spec = self._speculative(model_cls, pooler)
         batched = self.max_num_batched_tokens or 2048
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=batched,
                                     preemption_mode=self.preemption_mode, policy=self.scheduling_policy)
@@ -262,7 +263,7 @@ class EngineArgs:
                             batch_invariant=self._batch_invariant(), parallel=parallel,
                             structured_outputs=self._structured_output_limits(),
                             request_template_worker=self.trust_request_chat_template,
-                            speculative=self._speculative(model_cls, pooler))
+                            speculative=spec, draft_model=self._draft_model(spec, model_config, parallel, cache))
 
     def _speculative(self, model_cls, pooler) -> SpeculativeConfig | None:
         spec = SpeculativeConfig.parse(self.speculative_config)
@@ -272,8 +273,41 @@ class EngineArgs:
             raise ValueError("--speculative-config applies to generation: the pooling runner generates nothing.")
         if getattr(model_cls, "generates_audio", False):
             raise ValueError(f"--speculative-config is not supported for {model_cls.__name__}: its positions are "
-                             f"audio frames of several codebooks, which n-gram drafts do not predict.")
+                             f"audio frames of several codebooks, which text drafts do not predict.")
         return spec
+
+    def _draft_model(self, spec: SpeculativeConfig | None, target: ModelConfig, parallel: ParallelConfig,
+                     cache: CacheConfig) -> ModelConfig | None:
+        """The draft model's config (method draft_model): its own folder, the target's dtype, context and load
+        format (dummy weights for a dummy target); refused where it cannot follow the target."""
+        if spec is None or spec.method != "draft_model":
+            return None
+        if parallel.tensor_parallel_size > 1:
+            raise ValueError("speculative method draft_model runs the draft on one rank: it is not supported with "
+                             "--tensor-parallel-size > 1 yet (the ngram method is).")
+        if cache.swap_space_bytes:
+            raise ValueError("speculative method draft_model does not support --swap-space yet (the draft's K/V "
+                             "would have to move with the target's); drop --swap-space: preemption recomputes.")
+        path = resolve_model_path(spec.model)
+        hf_config = load_hf_config(path)
+        from pagedllm.kv_layout import KVCacheLayout
+        from pagedllm.model_executor.models.registry import get_model_class
+
+        architecture, _ = get_model_class(hf_config)
+        if hf_config.vocab_size > target.vocab_size:  # (smaller: the same tokenizer, embeddings padded less)
+            raise ValueError(f"the draft model {spec.model} has a vocabulary of {hf_config.vocab_size} tokens, more "
+                             f"than the target's {target.vocab_size}: a draft must share the target's tokenizer.")
+        if KVCacheLayout.of_config(hf_config).has_windows or target.kv_layout.has_windows:
+            raise ValueError(f"speculative method draft_model needs full-attention models: the draft ({spec.model}) "
+                             f"shares the target's block tables, one per request, and sliding-window layers keep "
+                             f"tables of their own.")
+        if hf_config.max_position_embeddings < target.max_model_len:
+            raise ValueError(f"the draft model {spec.model} knows {hf_config.max_position_embeddings} positions, fewer "
+                             f"than max_model_len {target.max_model_len}: lower --max-model-len.")
+        load_format = "dummy" if target.load_format == "dummy" or path.is_file() else "auto"
+        return ModelConfig(model=spec.model, path=path, hf_config=hf_config, architecture=architecture,
+                           dtype=target.dtype, max_model_len=target.max_model_len, load_format=load_format,
+                           seed=target.seed + 1, tokenizer=target.tokenizer, max_logprobs=target.max_logprobs)
 
     def _pooler(self, architecture: str, hf_config, path, tokenizer):
         """The pooling runner's PoolerConfig, or None for the generate runner (--runner, --task)."""

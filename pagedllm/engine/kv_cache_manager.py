@@ -237,12 +237,13 @@ class KVCacheManager:
                     self.pool.cache_block(table[i], _group_key(hashes[i], g))
             done[g] = max(done[g], full)
 
-    def trim(self, request: Request) -> int:
-        """Give back the blocks past the request's computed tokens (speculative decoding: the slots of drafts the
-        target rejected, tail first). Returns how many blocks went back. None of them is cached: a block is offered
-        to the prefix cache only once the request's own (not draft) tokens fill it."""
+    def trim(self, request: Request, lookahead: int = 0) -> int:
+        """Give back the blocks past the request's computed tokens and `lookahead` more (speculative decoding: the
+        slots of drafts the target rejected, tail first; a draft model's next drafts go in the lookahead). Returns
+        how many blocks went back. None of them is cached: a block is offered to the prefix cache only once the
+        request's own (not draft) tokens fill it."""
         tables = self.tables.get(request.request_id)
-        keep = self.blocks_needed(request.num_computed_tokens)
+        keep = self.blocks_needed(request.num_computed_tokens + lookahead)
         freed = 0
         for table in tables or ():
             tail = [b for b in table[keep:] if b != NULL_BLOCK]

@@ -114,6 +114,8 @@ class LLMEngine:
         facts = self.runner_facts = self.executor.runner_facts()
         device = torch.device(facts.device)
         settings = replace(settings, cuda_graph_sizes=facts.graph_sizes)  # what the runner really captures
+        if facts.draft_weight_bytes:  # a speculative draft model, as loaded
+            settings = replace(settings, draft_weight_bytes=facts.draft_weight_bytes)
         weights = facts.weight_bytes
         # On a CPU before the profile run (whose freed heap the resident set keeps); on a GPU after it, with
         # the kernels its steps loaded and the workspaces they made.

@@ -82,6 +82,7 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.speculation = speculation  # None: no speculative decoding
+        self.lookahead = speculation.lookahead if speculation is not None else 0  # a draft model's room past a step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # swapped out, kept in (priority, arrival) order
@@ -148,7 +149,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             drafts = self._drafts(req, n, budget) if req.request_id in speculating else []
-            while not self.kv_cache.allocate_slots(req, n + len(drafts)):
+            while not self.kv_cache.allocate_slots(req, n + len(drafts) + self._lookahead(req, n + len(drafts))):
                 victim = self._pop_victim(i)
                 self._preempt(victim, out)
                 if victim is req:
@@ -165,6 +166,13 @@ class Scheduler:
         if self.speculation is None:
             return set()
         return self.speculation.select([r for r in self.running if r.num_tokens - r.num_computed_tokens == 1])
+
+    def _lookahead(self, req: Request, num_new_tokens: int) -> int:
+        """Room a draft model needs past this step's tokens (when the step samples), within the request's length."""
+        if not self.lookahead or req.num_computed_tokens + num_new_tokens < req.num_tokens:
+            return 0
+        end = req.num_prompt_tokens + req.max_output_tokens
+        return max(0, min(self.lookahead, end - req.num_computed_tokens - num_new_tokens))
 
     @staticmethod
     def _drafts(req: Request, n: int, budget: int) -> list[int]:
@@ -205,7 +213,8 @@ class Scheduler:
             req = self.waiting[0]
             prefix = self.kv_cache.find_cached_prefix(req)  # a waiting request holds no blocks
             n = min(req.num_tokens - prefix.num_tokens, budget)
-            if not self.kv_cache.allocate_slots(req, n, prefix):
+            lookahead = self._lookahead(req, prefix.num_tokens + n)  # (computed: 0 until allocated)
+            if not self.kv_cache.allocate_slots(req, n + lookahead, prefix):
                 break
             req.num_computed_tokens = prefix.num_tokens
             self.waiting.popleft()
@@ -319,7 +328,7 @@ class Scheduler:
                 finished.append(req)
                 continue
             if num_drafts:
-                self.kv_cache.trim(req)
+                self.kv_cache.trim(req, self.lookahead)
             if drafts:
                 req.spec_token_ids = drafts.get(req.request_id, [])
         return finished

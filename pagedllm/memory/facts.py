@@ -171,7 +171,19 @@ def settings_from(engine_config) -> PlanSettings:
         num_speculative_tokens=c.speculative.num_speculative_tokens if c.speculative else 0,
         speculative_method=c.speculative.method if c.speculative else "",
         speculative_max_batch=c.speculative.disable_by_batch_size if c.speculative else None,
+        **_draft_settings(c),
     )
+
+
+def _draft_settings(engine_config) -> dict:
+    """A draft model's plan settings: its weights from its config's shapes (the engine replaces them with what it
+    loaded) and its K/V values per token."""
+    draft = engine_config.draft_model
+    if draft is None:
+        return {}
+    m = draft
+    return {"draft_model": m.model, "draft_weight_bytes": weight_bytes_from_config(m.hf_config, m.dtype, None),
+            "draft_kv_values_per_token": m.num_layers * 2 * m.num_kv_heads * m.head_dim}
 
 
 def planned_workers(engine_config) -> tuple[tuple[str, int], ...]:

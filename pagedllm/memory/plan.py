@@ -69,6 +69,11 @@ class PlanSettings:
     num_speculative_tokens: int = 0
     speculative_method: str = ""
     speculative_max_batch: int | None = None  # disable_by_batch_size: larger steps check no drafts
+    # speculative method draft_model: the draft's weights, and its K/V values per token (in the KV cache's dtype,
+    # beside the target's in every block)
+    draft_model: str = ""
+    draft_weight_bytes: int = 0
+    draft_kv_values_per_token: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -221,7 +226,12 @@ class MemoryPlan:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return self.model.kv_bytes_per_token(self.settings)
+        return self.model.kv_bytes_per_token(self.settings) + self.draft_kv_bytes_per_token
+
+    @property
+    def draft_kv_bytes_per_token(self) -> int:
+        """A draft model's K/V of one token (0: none), held in the same blocks as the target's."""
+        return self.settings.draft_kv_values_per_token * self.settings.kv_dtype.itemsize
 
     @property
     def windows(self) -> KVCacheLayout | None:
@@ -317,7 +327,8 @@ class MemoryPlan:
     @property
     def non_kv_bytes(self) -> int:
         return (self.weight_bytes + self.activation_bytes + self.overhead_bytes + self.component_bytes
-                + self.graph_pool_bytes + self.bitmask_bytes + self.worker_bytes + self.spec_decode_bytes)
+                + self.graph_pool_bytes + self.bitmask_bytes + self.worker_bytes + self.spec_decode_bytes
+                + self.settings.draft_weight_bytes)
 
     @property
     def component_bytes(self) -> int:
@@ -495,6 +506,8 @@ class MemoryPlan:
             graphs = f", the CUDA graphs ({fmt_bytes(self.graph_pool_bytes)})" if self.graph_pool_bytes else ""
             graphs += (f", speculative decoding's logits rows ({fmt_bytes(self.spec_decode_bytes)})"
                        if self.spec_decode_bytes else "")
+            graphs += (f", the draft model ({fmt_bytes(self.settings.draft_weight_bytes)})"
+                       if self.settings.draft_weight_bytes else "")
             return (f"after other processes ({fmt_bytes(others)}) and the weights ({fmt_bytes(self.weight_bytes)}), "
                     f"the activation peak ({fmt_bytes(self.activation_bytes)}){swap}{graphs}{self._components_text()} "
                     f"and runtime overhead "
@@ -592,7 +605,8 @@ class MemoryPlan:
         if self.graph_pool_bytes:
             candidates.append(("--enforce-eager", "", self.with_settings(cuda_graph_sizes=())))
         if self.spec_decode_bytes:
-            candidates.append((NO_SPECULATION, "", self.with_settings(num_speculative_tokens=0)))
+            candidates.append((NO_SPECULATION, "", self.with_settings(
+                num_speculative_tokens=0, draft_weight_bytes=0, draft_kv_values_per_token=0)))
         return [Fix(flag, value, self._effect_of(flag, p), p.offload_step_ms if flag == "--cpu-offload-gb" else None,
                     p) for flag, value, p in candidates if p.fits]
 
@@ -653,8 +667,10 @@ class MemoryPlan:
                          f"pagedllm does not make {fixed.settings.quantization} at load")
             return text + (f"; {fixed.offload_cost()}" if flag == "--cpu-offload-gb" else "")
         if flag == NO_SPECULATION:
-            return (f"{fixed.effect()}; frees the {fmt_bytes(self.spec_decode_bytes)} of drafts' logits rows, and "
-                    f"decoding runs one token per step")
+            draft = (f", the draft model's {fmt_bytes(self.settings.draft_weight_bytes)} of weights and its K/V"
+                     if self.settings.draft_weight_bytes else "")
+            return (f"{fixed.effect()}; frees the {fmt_bytes(self.spec_decode_bytes)} of drafts' logits rows{draft}, "
+                    f"and decoding runs one token per step")
         if flag == "--enforce-eager":
             return (f"{fixed.effect()}; frees the CUDA graph pool ({fmt_bytes(self.graph_pool_bytes)}), and decode "
                     f"steps are launched kernel by kernel (slower)")
@@ -824,9 +840,14 @@ class MemoryPlan:
         s = self.settings
         if not s.num_speculative_tokens:
             return []
-        return [(f"speculative decoding ({s.speculative_method}, {s.num_speculative_tokens} drafts): "
+        rows = [(f"speculative decoding ({s.speculative_method}, {s.num_speculative_tokens} drafts): "
                  f"{self.spec_decode_rows} more logits rows", fmt_bytes(self.spec_decode_bytes),
-                 "estimated; no draft weights or draft KV cache (n-gram drafts)")]
+                 "estimated" + ("" if s.draft_model else "; no draft weights or draft KV cache (n-gram drafts)"))]
+        if s.draft_model:
+            rows += [(f"draft model weights ({s.draft_model})", fmt_bytes(s.draft_weight_bytes), ""),
+                     ("draft KV cache per token", fmt_bytes(self.draft_kv_bytes_per_token),
+                      "in every block beside the target's: part of the KV cache per token below")]
+        return rows
 
     def _worker_rows(self) -> list[tuple[str, str, str]]:
         workers = self.settings.worker_processes
@@ -905,6 +926,8 @@ class MemoryPlan:
             "cuda_graph_pool_bytes": self.graph_pool_bytes,
             "structured_output_bitmask_bytes": self.bitmask_bytes,
             "spec_decode_bytes": self.spec_decode_bytes,
+            "draft_weight_bytes": self.settings.draft_weight_bytes,
+            "draft_kv_bytes_per_token": self.draft_kv_bytes_per_token,
             "worker_processes": [{"name": name, "host_bytes": size} for name, size in self.settings.worker_processes],
             "worker_process_bytes": self.worker_bytes,
             "components": [{"name": c.name, "weight_bytes": c.weight_bytes, "activation_peak_bytes": c.activation_bytes,

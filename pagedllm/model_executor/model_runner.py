@@ -78,6 +78,7 @@ class RunnerFacts:
     offload_slot_bytes: int  # device memory the offloaded layers pass through
     graph_sizes: tuple[int, ...]  # decode batch sizes replayed from CUDA graphs (empty: none, or a CPU's twin)
     audio_spec: Any = None  # a multi-codebook audio model's AudioSpec; None for a text model
+    draft_weight_bytes: int = 0  # speculative decoding's draft model (0: none)
 
 
 class PendingOutput:
@@ -133,7 +134,8 @@ class ModelRunner:
         for backend in self.attn_backends:
             backend.allocate_buffers(max_tokens, s.max_num_seqs, cdiv(m.max_model_len, self.block_size), self.device)
         self.sampler = Sampler(self.device, config.model.seed, s.max_num_seqs)
-        self.proposer = make_proposer(config.speculative)  # None: no speculative decoding
+        self.proposer = make_proposer(config, self)  # None: no speculative decoding
+        self.draft = self.proposer if hasattr(self.proposer, "follow") else None  # a draft model, run every step
         # Multi-codebook audio models: frames in and out (audio_runner); None for text models.
         self.audio_spec = self.model.audio_spec
         # The step's token ids (and a graphed audio decode's frames) in persistent device buffers.
@@ -161,6 +163,8 @@ class ModelRunner:
             return f"the {self.attn_backend.name} attention backend builds its inputs on the host each step"
         if self.loaded.offloads:
             return "--cpu-offload-gb copies layers in on a side stream"
+        if self.config.draft_model is not None:
+            return "the speculative draft model runs beside every step"
         return None
 
     def _decode_graphs(self) -> DecodeGraphs | None:
@@ -232,7 +236,8 @@ class ModelRunner:
     def facts(self) -> RunnerFacts:
         graphs = self.graphs if self.graphs is not None and self.device.type == "cuda" else None
         return RunnerFacts(str(self.device), self.weight_bytes, self.offloaded_weight_bytes, self.offload_slot_bytes,
-                           graphs.sizes if graphs is not None else (), self.audio_spec)
+                           graphs.sizes if graphs is not None else (), self.audio_spec,
+                           self.draft.weight_bytes if self.draft is not None else 0)
 
     @property
     def weight_bytes(self) -> int:
@@ -270,6 +275,8 @@ class ModelRunner:
         # multiplied by 0 attention, and 0 * NaN is NaN.
         self.kv_cache = torch.zeros(shape, dtype=self.config.kv_cache_dtype, device=self.device)
         bind_kv_cache(self.model.attention_layers(), self.kv_cache, self.kv_layout)
+        if self.draft is not None:  # the draft's K/V of the same blocks
+            self.draft.allocate_kv_cache(total)
 
     def kv_cache_blocks(self) -> int:
         """Blocks the KV cache holds (without the CUDA graphs' null block); 0 when not allocated."""
@@ -354,6 +361,9 @@ class ModelRunner:
             input_ids.extend(s.spec_token_ids)  # drafts: checked by this forward
         with phase("forward"):
             hidden = self._forward(step, reqs, starts, lengths, tables, input_ids)  # (tokens, hidden)
+        if self.draft is not None:
+            with phase("draft"):
+                self.draft.follow(starts, lengths, [t[0] for t in tables], input_ids)
         if self.pooler is not None:
             with phase("pool"):
                 return PendingOutput([], None, [], self._pool(step, reqs, starts, lengths, hidden))
@@ -407,7 +417,10 @@ class ModelRunner:
                 sampled = PendingRows.ready(self._verify(logits, groups, row_views))
             else:
                 sampled = self.sampler.sample(logits, sample_reqs)
-        propose = None if self.proposer is None else self.proposer.propose
+        propose = None
+        if self.proposer is not None:
+            step_tables = {s.request_id: s.block_tables[0] for s in step.scheduled}
+            propose = lambda requests: self.proposer.propose(requests, step_tables)  # noqa: E731
         return PendingOutput(sample_reqs, sampled, [(req, first, self._prompt_logprobs, h)
                                                     for req, first, h in prompt_spans], propose=propose)
 
@@ -431,7 +444,9 @@ class ModelRunner:
                 chain = greedy_chain(g.drafts, [r.token_id for r in rows[span]])
             else:
                 mine = slice(at, at + g.num_rows)
-                chain = sampled_chain(probs[mine], g.drafts, accept_u[mine], draw_u[mine])
+                q = g.request.draft_probs  # the draft model's distributions (None: n-gram drafts, certain)
+                chain = sampled_chain(probs[mine], g.drafts, accept_u[mine], draw_u[mine],
+                                      None if q is None else q[:len(g.drafts)])
                 at += g.num_rows
             if g.request.sampling_params.logprobs is not None:
                 chain_rows = self.sampler.logprob_rows(logits[g.first_row:g.first_row + len(chain)], chain,
@@ -565,6 +580,8 @@ class ModelRunner:
         self.null_block = None
         self.kv_cache = None
         bind_kv_cache(self.model.attention_layers(), None, self.kv_layout)
+        if self.draft is not None:
+            self.draft.release_kv_cache()
 
 
 def _sizes_text(sizes: tuple[int, ...]) -> str:

@@ -4,7 +4,7 @@ delay-pattern state. The sampler reads these."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.step_input import Frame, NewRequestData, TokenSequence, frames_between
 from pagedllm.model_executor.pooler import PoolingState
@@ -26,6 +26,8 @@ class RunnerRequest(TokenSequence):
     audio_state: AudioGenerationState | None = None
     pooling_params: PoolingParams | None = None
     pooling: PoolingState = field(default_factory=PoolingState)  # a pooling request's pool so far
+    # Speculative decoding with a draft model: the draft's distributions of its pending drafts (sampled requests)
+    draft_probs: Any = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.ignore_eos:  # eos is then an ordinary token (as the engine's Request has it)

@@ -178,6 +178,11 @@ class Sampler:
             logits.index_put_((rows, ids), values.to(logits.device), accumulate=True)
         return self._apply_penalties(logits, requests, batch)
 
+    def adjusted_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """A float32 copy with min_tokens' bans, logit_bias and the penalties: a greedy row's choice is its argmax."""
+        batch = SamplingBatch.build(requests, logits.device, None)
+        return self._adjust(logits.float().clone(), requests, batch, self._min_tokens_bans(requests))
+
     def probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Each row's distribution as `sample` draws from it (bans, logit_bias, penalties, temperature, top-k,
         top-p, min-p): float32 (rows, vocab), rows summing to 1; a greedy row is one-hot at its choice.

@@ -8,16 +8,28 @@ import numpy as np
 
 def propose_ngram(tokens: list[int] | np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to `k` tokens continuing `tokens`: after the last n tokens' latest earlier occurrence (the longest n in
-    [min_n, max_n] that has one). Empty when none occurs."""
+    [min_n, max_n] that has one). Empty when none occurs.
+
+    One pass over the sequence finds the earlier positions holding its last token; each of those candidates'
+    match is then extended backwards a token at a time, all candidates at once (max_n small array operations),
+    and the longest match, the latest among equals, wins."""
     seq = np.asarray(tokens, dtype=np.int64)
     total = len(seq)
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = seq[total - n:]
-        # Candidate starts: positions i < total - n where seq[i:i + n] == suffix, found from the last token of
-        # the pattern (one vectorised compare), then checked whole, latest first.
-        ends = np.flatnonzero(seq[n - 1:total - 1] == suffix[-1]) + n - 1  # end index of each candidate
-        for end in ends[::-1]:
-            start = end - n + 1
-            if np.array_equal(seq[start:end + 1], suffix):
-                return seq[end + 1:end + 1 + k].tolist()
-    return []
+    max_n = min(max_n, total - 1)
+    if max_n < min_n:
+        return []
+    ends = np.flatnonzero(seq[:total - 1] == seq[-1])  # where earlier occurrences would end
+    ends = ends[ends >= min_n - 1]
+    if not len(ends):
+        return []
+    length = np.ones(len(ends), dtype=np.int64)  # each candidate's match, up to max_n tokens
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, max_n):
+        alive &= ends - back >= 0
+        alive[alive] = seq[ends[alive] - back] == seq[total - 1 - back]
+        length += alive
+    best = int(length.max())
+    if best < min_n:
+        return []
+    end = ends[np.flatnonzero(length == best)[-1]]
+    return seq[end + 1:end + 1 + k].tolist()

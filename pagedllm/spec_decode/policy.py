@@ -28,7 +28,7 @@ MARGIN = 0.05  # speculate only when it is expected to be at least this much fas
 REFRESH_WITHIN, REFRESH_AFTER_STEPS = 0.8, 64
 _DECAY = 0.8  # weight of the old value in the moving averages
 _REQUEST_DECAY = 0.8  # a request's own record: its last few first drafts (drafts come in runs)
-_PRIOR_WEIGHT = 2.0  # the overall rate counts as this many of a request's own first drafts
+_PRIOR_WEIGHT = 5.0  # the overall rate counts as this many of a request's own first drafts (its decayed window: 5)
 
 
 @dataclass
@@ -121,6 +121,12 @@ class SpeculationPolicy:
         self._run = (config.num_speculative_tokens / 2, 1.0)
         self.step_times = StepTimes()
         self._last: bool | None = None
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past a request's next step its blocks must have room for: a draft model writes the K/V of
+        its drafts there when it proposes them (n-gram drafts need none)."""
+        return self.config.num_speculative_tokens if self.config.method == "draft_model" else 0
 
     def select(self, decoding: list) -> set[str]:
         """The ids of the decoding requests (Requests with `spec_token_ids`, one new token each) whose drafts this

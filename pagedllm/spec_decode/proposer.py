@@ -3,12 +3,7 @@ from __future__ import annotations
 
 from pagedllm.speculative_config import SpeculativeConfig
 from pagedllm.spec_decode.ngram import propose_ngram
-
-
-def speculates(request) -> bool:
-    """Requests that get drafts: those generating text (a structured output's too: the engine masks each draft
-    position's row by its grammar)."""
-    return request.pooling_params is None and request.audio_state is None
+from pagedllm.spec_decode.verify import speculates
 
 
 class NgramProposer:
@@ -17,7 +12,7 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
 
-    def propose(self, requests: list) -> dict[str, list[int]]:
+    def propose(self, requests: list, block_tables: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
         c = self.config
         out = {}
         for req in requests:
@@ -29,7 +24,13 @@ class NgramProposer:
         return out
 
 
-def make_proposer(config: SpeculativeConfig | None) -> NgramProposer | None:
-    if config is None:
+def make_proposer(config, runner):
+    """The engine config's proposer (None: no speculative decoding), made in the model runner."""
+    spec = config.speculative
+    if spec is None:
         return None
-    return NgramProposer(config)
+    if spec.method == "draft_model":
+        from pagedllm.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(config, runner)
+    return NgramProposer(spec)

@@ -22,6 +22,12 @@ from pagedllm.step_input import TokenSequence
 ACCEPT_SEED_SALT = 0x5DEECE66D
 
 
+def speculates(request) -> bool:
+    """Requests that get drafts: those generating text (a structured output's too: the engine masks each draft
+    position's row by its grammar)."""
+    return request.pooling_params is None and request.audio_state is None
+
+
 class DraftPosition(TokenSequence):
     """A request as the sampler sees it at draft position j: its tokens followed by the first j drafts."""
 

@@ -143,17 +143,17 @@ def test_rejected_drafts_give_their_blocks_back(tiny_models):
 TEMPERATURE = 0.8
 
 
-def _marginal_of_second_token(path, prompt: list[int]) -> torch.Tensor:
+def _marginal_of_second_token(path, prompt: list[int], temperature: float = TEMPERATURE) -> torch.Tensor:
     """P(second generated token): sum over the first token t of p(t) p(. | t), by transformers (first tokens of
     probability below 1e-6 left out: they move no expected count by a hundredth)."""
     model = load_hf_model(path)
     with torch.no_grad():
         out = model(torch.tensor([prompt]), use_cache=True)
-        first = torch.softmax(out.logits[0, -1].double() / TEMPERATURE, -1)
+        first = torch.softmax(out.logits[0, -1].double() / temperature, -1)
         likely = torch.nonzero(first > 1e-6).squeeze(1)
         cache = out.cache
         cache.batch_repeat_interleave(len(likely))  # the prompt's K/V once for every first token
-        second = torch.softmax(model(likely[:, None], cache=cache).logits[:, -1].double() / TEMPERATURE, -1)
+        second = torch.softmax(model(likely[:, None], cache=cache).logits[:, -1].double() / temperature, -1)
     marginal = first[likely] @ second
     return marginal / marginal.sum()
 
