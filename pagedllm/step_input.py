@@ -94,6 +94,8 @@ class StepInput:
     blocks_to_swap_in: list[BlockCopy] = field(default_factory=list)  # (host block, device block)
     # Structured outputs: the allowed tokens of this step's constrained sampling rows (None: none is).
     grammar_bitmask: GrammarBitmask | None = None
+    # Speculative decoding: drafts to propose after this step, per request (None: the configured number)
+    num_drafts_wanted: int | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -11,8 +11,9 @@ prompt. `--no-forced` lets the dummy model write what it likes (drafts are then 
 on/off rule is for). Both engines get the same requests and the same constraint; the prompts' K/V is computed
 once in a warm-up, so the timed runs measure decoding.
 
-Reported per batch size: ms per output token (batch 1) or output tok/s, with and without --speculative-config,
-the ratio, the acceptance rate and the steps that checked drafts. Runs alternate between the two engines;
+Reported per batch size: ms per output token and output tok/s, with and without --speculative-config (n-gram by
+default; a draft model when the config names one), the ratio, the acceptance rate and the steps that checked drafts
+or left them unchecked (the on/off rule). Runs alternate between the two engines;
 medians of --runs.
 """
 from __future__ import annotations
@@ -125,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args(argv)
     if args.speculative_config is None:
-        args.speculative_config = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+        args.speculative_config = ('{"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, '
+                                   '"prompt_lookup_max": 5}')
     spec_config = args.speculative_config
     if args.tokenizer is None and args.load_format == "dummy":
         from pagedllm.demo import demo_model_path
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     plain = make_llm(args)
     args.speculative_config = spec_config
     spec = make_llm(args)
-    engines = {"plain": plain, "ngram": spec}
+    engines = {"plain": plain, "spec": spec}
+    method = json.loads(spec_config).get("method", "draft_model" if "model" in json.loads(spec_config) else "ngram")
     most = max(args.num_prompts or (4 if b == 1 else b) for b in args.batch_sizes)
     tasks = code_edit_tasks(most)
     for llm in engines.values():  # warm-up: the prompts' K/V into the prefix cache, the constraints compiled
@@ -152,15 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, rs in runs.items():
             row[f"{name}_ms_per_token"] = statistics.median(1e3 * r["seconds"] / r["tokens"] * batch for r in rs)
             row[f"{name}_tok_s"] = statistics.median(r["tokens"] / r["seconds"] for r in rs)
-        drafts = sum(r["draft_tokens"] for r in runs["ngram"])
-        row["acceptance"] = sum(r["accepted"] for r in runs["ngram"]) / drafts if drafts else 0.0
-        row["steps_checking_drafts"] = sum(r["steps_on"] for r in runs["ngram"])
-        row["steps_without_drafts"] = sum(r["steps_off"] for r in runs["ngram"])
-        row["speedup"] = row["ngram_tok_s"] / row["plain_tok_s"]
+        drafts = sum(r["draft_tokens"] for r in runs["spec"])
+        row["acceptance"] = sum(r["accepted"] for r in runs["spec"]) / drafts if drafts else 0.0
+        row["steps_checking_drafts"] = sum(r["steps_on"] for r in runs["spec"])
+        row["steps_without_drafts"] = sum(r["steps_off"] for r in runs["spec"])
+        row["speedup"] = row["spec_tok_s"] / row["plain_tok_s"]
         results.append(row)
         print(f"batch {batch:>3} ({len(chunk)} prompts, {'forced' if args.forced else 'free'}): "
               f"plain {row['plain_ms_per_token']:.1f} ms/token ({row['plain_tok_s']:.1f} tok/s), "
-              f"ngram {row['ngram_ms_per_token']:.1f} ms/token ({row['ngram_tok_s']:.1f} tok/s): "
+              f"{method} {row['spec_ms_per_token']:.1f} ms/token ({row['spec_tok_s']:.1f} tok/s): "
               f"{row['speedup']:.2f}x; acceptance {row['acceptance']:.2f}, steps with drafts "
               f"{row['steps_checking_drafts']} checked / {row['steps_without_drafts']} left unchecked", flush=True)
     for llm in engines.values():

@@ -247,6 +247,8 @@ class LLMEngine:
             step_input = None if plan.is_empty else self.scheduler.runner_input(plan)
             if step_input is not None and self.structured_outputs.started:  # the allowed tokens of sampling rows
                 step_input.grammar_bitmask = self._grammar_bitmask(plan)
+            if step_input is not None and self.speculation is not None:
+                step_input.num_drafts_wanted = self.speculation.drafts_wanted()
         self.last_step_num_requests = len(plan.scheduled)
         started = time.perf_counter()
         with phase("launch"):

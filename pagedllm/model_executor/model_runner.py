@@ -420,7 +420,8 @@ class ModelRunner:
         propose = None
         if self.proposer is not None:
             step_tables = {s.request_id: s.block_tables[0] for s in step.scheduled}
-            propose = lambda requests: self.proposer.propose(requests, step_tables)  # noqa: E731
+            propose = lambda requests: self.proposer.propose(requests, step_tables,  # noqa: E731
+                                                             step.num_drafts_wanted)
         return PendingOutput(sample_reqs, sampled, [(req, first, self._prompt_logprobs, h)
                                                     for req, first, h in prompt_spans], propose=propose)
 

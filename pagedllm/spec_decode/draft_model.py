@@ -73,16 +73,19 @@ class DraftModelProposer:
         self._forward(starts, lengths, tables, torch.tensor(input_ids, dtype=torch.long, device=self.runner.device))
 
     @torch.inference_mode()
-    def propose(self, requests: list, block_tables: dict[str, list[int]]) -> dict[str, list[int]]:
-        """k drafts for each request that generates text, from its last token (whose K/V is not computed yet).
-        `block_tables`: each request's table as this step had it (it has room for the drafts' positions)."""
+    def propose(self, requests: list, block_tables: dict[str, list[int]],
+                num_drafts: int | None = None) -> dict[str, list[int]]:
+        """k drafts (or `num_drafts`, fewer: the on/off rule's) for each request that generates text, from its last
+        token (whose K/V is not computed yet). `block_tables`: each request's table as this step had it (it has room
+        for the drafts' positions)."""
+        k = self.k if num_drafts is None else min(self.k, num_drafts)
         reqs = [r for r in requests if speculates(r)]
-        if not reqs:
+        if not reqs or k < 1:
             return {}
         sampler, device = self.runner.sampler, self.runner.device
         drafts: list[list[int]] = [[] for _ in reqs]
         probs: list[list[torch.Tensor]] = [[] for _ in reqs]
-        rooms = [min(self.k, self._room(r)) for r in reqs]  # drafts the scheduler could check
+        rooms = [min(k, self._room(r)) for r in reqs]  # drafts the scheduler could check
         last = [r.all_token_ids[-1] for r in reqs]
         for j in range(max(rooms, default=0)):
             active = [i for i, room in enumerate(rooms) if room > j]

@@ -26,6 +26,7 @@ MARGIN = 0.05  # speculate only when it is expected to be at least this much fas
 # A choice expected within this factor of no drafts is tried again when its step size's time is this old: a
 # stale, high step time is otherwise never measured again.
 REFRESH_WITHIN, REFRESH_AFTER_STEPS = 0.8, 64
+PROBE_EVERY = 8  # a draft model proposes one draft every this many steps while drafts are not checked
 _DECAY = 0.8  # weight of the old value in the moving averages
 _REQUEST_DECAY = 0.8  # a request's own record: its last few first drafts (drafts come in runs)
 _PRIOR_WEIGHT = 5.0  # the overall rate counts as this many of a request's own first drafts (its decayed window: 5)
@@ -121,12 +122,24 @@ class SpeculationPolicy:
         self._run = (config.num_speculative_tokens / 2, 1.0)
         self.step_times = StepTimes()
         self._last: bool | None = None
+        self._steps_off = 0  # steps asked for drafts while the rule was off (a draft model's probes)
 
     @property
     def lookahead(self) -> int:
         """Positions past a request's next step its blocks must have room for: a draft model writes the K/V of
         its drafts there when it proposes them (n-gram drafts need none)."""
         return self.config.num_speculative_tokens if self.config.method == "draft_model" else 0
+
+    def drafts_wanted(self) -> int:
+        """How many drafts the proposer should make after the next step. N-gram drafts cost next to nothing: always
+        all of them (the unchecked ones keep the estimates current). A draft model's cost a forward each: all of
+        them while the rule checks drafts; while it does not, one every PROBE_EVERY steps (what its first draft
+        would have kept still tells when to turn back on), none otherwise."""
+        k = self.config.num_speculative_tokens
+        if self.config.method != "draft_model" or self._last is not False:
+            return k
+        self._steps_off += 1
+        return 1 if self._steps_off % PROBE_EVERY == 0 else 0
 
     def select(self, decoding: list) -> set[str]:
         """The ids of the decoding requests (Requests with `spec_token_ids`, one new token each) whose drafts this

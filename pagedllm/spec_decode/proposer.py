@@ -12,7 +12,8 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
 
-    def propose(self, requests: list, block_tables: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+    def propose(self, requests: list, block_tables: dict[str, list[int]] | None = None,
+                num_drafts: int | None = None) -> dict[str, list[int]]:
         c = self.config
         out = {}
         for req in requests:

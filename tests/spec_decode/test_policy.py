@@ -179,3 +179,22 @@ def test_ngram_equals_its_definition_on_random_sequences():
         lo = rng.randint(1, 4)
         hi, k = rng.randint(lo, 6), rng.randint(1, 5)
         assert propose_ngram(tokens, lo, hi, k) == _ngram_by_definition(tokens, lo, hi, k), (tokens, lo, hi, k)
+
+
+def test_a_draft_model_proposes_all_its_drafts_while_on_and_a_probe_now_and_then_while_off():
+    from pagedllm.spec_decode.policy import PROBE_EVERY
+
+    ngram = _policy()
+    ngram._last = False
+    assert [ngram.drafts_wanted() for _ in range(3)] == [4, 4, 4]  # n-gram drafts cost nothing
+    p = SpeculationPolicy(SpeculativeConfig(method="draft_model", model="x", num_speculative_tokens=4))
+    assert p.drafts_wanted() == 4  # nothing decided yet
+    p.record_step(8, 0.05)
+    p.record_step(40, 0.5)
+    assert not p.select(_batch(8))  # 10x the time: off
+    wanted = [p.drafts_wanted() for _ in range(2 * PROBE_EVERY)]
+    assert wanted.count(1) == 2 and wanted.count(0) == 2 * PROBE_EVERY - 2
+    for _ in range(20):
+        p.record_step(40, 0.06)
+    assert p.select(_batch(8))  # cheap again: on, and all drafts wanted
+    assert p.drafts_wanted() == 4
