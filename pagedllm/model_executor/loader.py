@@ -43,6 +43,16 @@ class LoadedModel:
     def offloads(self) -> list[HostLayer]:
         return [] if self.offloader is None else self.offloader.hosts
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of all weights: parameters (shared ones once) plus those packed for the CPU kernels or oneDNN."""
+        seen, total = set(), self.packed_weight_bytes
+        for p in self.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
 
 def load_model(model_config: ModelConfig, device: torch.device) -> LoadedModel:
     """Construct the model on `device` in the configured dtype, then load (or invent) its weights, and choose

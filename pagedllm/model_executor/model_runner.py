@@ -242,12 +242,7 @@ class ModelRunner:
     @property
     def weight_bytes(self) -> int:
         """Bytes of all weights: parameters (shared ones once) plus those packed for the CPU kernels or oneDNN."""
-        seen, total = set(), self.loaded.packed_weight_bytes
-        for p in self.model.parameters():
-            if p.data_ptr() not in seen:
-                seen.add(p.data_ptr())
-                total += p.numel() * p.element_size()
-        return total
+        return self.loaded.weight_bytes
 
     @property
     def offloaded_weight_bytes(self) -> int:

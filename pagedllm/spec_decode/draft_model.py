@@ -42,12 +42,7 @@ class DraftModelProposer:
 
     @property
     def weight_bytes(self) -> int:
-        seen, total = set(), self.loaded.packed_weight_bytes
-        for p in self.model.parameters():
-            if p.data_ptr() not in seen:
-                seen.add(p.data_ptr())
-                total += p.numel() * p.element_size()
-        return total
+        return self.loaded.weight_bytes
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         m = self.config.draft_model
