@@ -178,7 +178,7 @@ class Scheduler:
     def _drafts(req: Request, n: int, budget: int) -> list[int]:
         """The drafts a decoding request checks this step: as many as the token budget, and its output limit
         (a step yields at most one token more than its drafts), allow."""
-        if n != req.num_tokens - req.num_computed_tokens or n != 1:
+        if req.num_tokens - req.num_computed_tokens != 1:  # (then n == 1) not decoding: a prefill chunk
             return []
         room = min(budget - n, req.max_output_tokens - req.num_output_tokens - 1)
         return req.spec_token_ids[:max(room, 0)]

@@ -73,6 +73,7 @@ class StepTimes:
 
     def __init__(self) -> None:
         self._points: dict[int, tuple[float, float]] = {}  # bucket -> (mean tokens, mean seconds)
+        self._sorted: list[tuple[float, float]] = []  # the points by size (seconds() runs per candidate per step)
         self._updated: dict[int, int] = {}  # bucket -> the step count when it was last measured
         self.steps = 0
 
@@ -81,6 +82,7 @@ class StepTimes:
         old = self._points.get(b)
         self._points[b] = (num_tokens, seconds) if old is None else \
             (_DECAY * old[0] + (1 - _DECAY) * num_tokens, _DECAY * old[1] + (1 - _DECAY) * seconds)
+        self._sorted = sorted(self._points.values())
         self.steps += 1
         self._updated[b] = self.steps
 
@@ -95,9 +97,9 @@ class StepTimes:
     def seconds(self, num_tokens: int) -> float | None:
         """T(num_tokens): linear between the two measured sizes around it; below the smallest, the smallest's time;
         above the largest, the largest's time per token (steps that large are compute-bound)."""
-        if not self._points:
+        points = self._sorted
+        if not points:
             return None
-        points = sorted(self._points.values())
         if num_tokens <= points[0][0]:
             return points[0][1]
         for (n0, t0), (n1, t1) in zip(points, points[1:]):
